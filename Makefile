@@ -1,0 +1,38 @@
+# The README's two commands: `make demo` and `make test`. Each one creates
+# the virtual environment and installs the Debian dataset when missing.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-keras-mp
+FASHION_MNIST := /usr/share/datasets/fashion-mnist/t10k-labels-idx1-ubyte.gz
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+DEMO_ARGS ?=
+
+.PHONY: demo test data lint docs bench clean
+
+$(STAMP): setup.cfg pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e ".[cpu,onnx,plot,test]"
+	touch $(STAMP)
+
+$(FASHION_MNIST):
+	$(SUDO) apt-get update -qq
+	$(SUDO) apt-get install -y -qq dataset-fashion-mnist
+
+data: $(FASHION_MNIST)
+
+demo: $(STAMP) data
+	$(VENV)/bin/keras-mp demo --output demo-report $(DEMO_ARGS)
+
+test: $(STAMP) data
+	$(PY) -m pytest -m "not slow" -q -p no:cacheprovider
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check keras_mp tests benchmarks examples
+	$(VENV)/bin/ruff format --check keras_mp tests benchmarks examples
+
+bench: $(STAMP) data
+	$(PY) benchmarks/run_all.py
+
+clean:
+	rm -rf $(VENV) demo-report build *.egg-info

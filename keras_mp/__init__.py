@@ -1,0 +1,33 @@
+"""keras_mp: from float32 Keras training to TensorRT-ready INT8.
+
+Mixed precision, TensorRT-style INT8 quantization (PTQ and QAT), 2:4
+structured sparsity, MuPPET multi-precision fixed-point training, and Q/DQ
+ONNX export, all for Keras 3 models and `model.fit`.
+"""
+
+__version__ = "0.1.0"
+
+from keras_mp._compat import check_tensorflow
+
+check_tensorflow()
+
+from keras_mp.datasets import (
+    load_digits,
+    load_fashion_mnist,
+)
+from keras_mp.loss_scale import (
+    LossScaleMonitor,
+    LossScaleOptimizer,
+)
+from keras_mp.policy import (
+    apply_mixed_precision,
+    enable_mixed_precision,
+    is_precision_sensitive,
+    mixed_precision_audit,
+    set_tf32,
+)
+from keras_mp.tensorrt import (
+    Finding,
+    LintReport,
+    check_tensorrt,
+)

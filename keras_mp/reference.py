@@ -1,0 +1,69 @@
+"""The reference CNN used by the demo, the benchmarks and the examples.
+
+It holds every pattern the TensorRT placement rules care about: conv + BN +
+ReLU, a residual Add, a depthwise-separable block, pooling and a Dense head.
+Channel counts are multiples of 8 (Tensor Core alignment) and of 4 (2:4
+sparsity).
+"""
+
+import keras
+from keras import layers
+
+
+def reference_cnn(input_shape=(28, 28, 1), num_classes=10, width=32):
+    """Builds the reference CNN (Functional, about 30k parameters at width 32).
+
+    Args:
+        input_shape: tuple. Image shape, channels last. Defaults to
+            `(28, 28, 1)` (Fashion-MNIST).
+        num_classes: int. Number of output logits. Defaults to 10.
+        width: int. Channels of the first block; must be a multiple of 8.
+            Defaults to 32.
+
+    Returns:
+        An uncompiled `keras.Model` that outputs logits (float32).
+    """
+    if width < 8 or width % 8:
+        raise ValueError(
+            f"`width` must be a positive multiple of 8. Received: width={width}"
+        )
+    inputs = keras.Input(input_shape, name="image")
+    x = layers.Conv2D(width, 3, padding="same", use_bias=False, name="stem")(
+        inputs
+    )
+    x = layers.BatchNormalization(momentum=0.9, name="stem_bn")(x)
+    x = layers.ReLU(name="stem_relu")(x)
+    # Residual block: conv-BN-ReLU-conv-BN + skip.
+    y = layers.Conv2D(width, 3, padding="same", use_bias=False, name="res_a")(x)
+    y = layers.BatchNormalization(momentum=0.9, name="res_a_bn")(y)
+    y = layers.ReLU(name="res_a_relu")(y)
+    y = layers.Conv2D(width, 3, padding="same", use_bias=False, name="res_b")(y)
+    y = layers.BatchNormalization(momentum=0.9, name="res_b_bn")(y)
+    x = layers.Add(name="res_add")([x, y])
+    x = layers.ReLU(name="res_relu")(x)
+    x = layers.MaxPooling2D(name="pool1")(x)
+    # Depthwise-separable block.
+    x = layers.DepthwiseConv2D(3, padding="same", use_bias=False, name="dw")(x)
+    x = layers.BatchNormalization(momentum=0.9, name="dw_bn")(x)
+    x = layers.ReLU(name="dw_relu")(x)
+    x = layers.Conv2D(2 * width, 1, use_bias=False, name="pw")(x)
+    x = layers.BatchNormalization(momentum=0.9, name="pw_bn")(x)
+    x = layers.ReLU(name="pw_relu")(x)
+    x = layers.MaxPooling2D(name="pool2")(x)
+    x = layers.Conv2D(2 * width, 3, padding="same", name="conv3")(x)
+    x = layers.ReLU(name="conv3_relu")(x)
+    x = layers.GlobalAveragePooling2D(name="gap")(x)
+    x = layers.Dense(2 * width, activation="relu", name="fc")(x)
+    outputs = layers.Dense(num_classes, dtype="float32", name="logits")(x)
+    return keras.Model(inputs, outputs, name="reference_cnn")
+
+
+def compile_classifier(model, learning_rate=1e-3, optimizer=None, **kwargs):
+    """Compiles `model` for integer labels and logits, with accuracy."""
+    model.compile(
+        optimizer=optimizer or keras.optimizers.Adam(learning_rate),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+        **kwargs,
+    )
+    return model

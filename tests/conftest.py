@@ -1,0 +1,68 @@
+"""Shared fixtures. TensorFlow is imported once per session; the CPU is split
+into two logical devices so tf.distribute tests can run a 2-replica
+MirroredStrategy on one machine."""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+_cpus = tf.config.list_physical_devices("CPU")
+tf.config.set_logical_device_configuration(
+    _cpus[0],
+    [tf.config.LogicalDeviceConfiguration()] * 2,
+)
+
+
+@pytest.fixture(autouse=True)
+def _seed_and_policy():
+    """Every test starts seeded and under float32, whatever the last did."""
+    keras.utils.set_random_seed(0)
+    keras.mixed_precision.set_global_policy("float32")
+    yield
+    keras.mixed_precision.set_global_policy("float32")
+
+
+@pytest.fixture(scope="session")
+def fashion_mnist():
+    """Real Fashion-MNIST, full arrays, loaded once per session."""
+    from keras_mp.datasets import load_fashion_mnist
+
+    return load_fashion_mnist()
+
+
+@pytest.fixture(scope="session")
+def fashion_small(fashion_mnist):
+    """A small real slice: 2,048 training and 512 test images."""
+    (x, y), (xt, yt) = fashion_mnist
+    return (x[:2048], y[:2048]), (xt[:512], yt[:512])
+
+
+@pytest.fixture(scope="session")
+def digits():
+    from keras_mp.datasets import load_digits
+
+    return load_digits()
+
+
+@pytest.fixture
+def mirrored_strategy():
+    devices = [d.name for d in tf.config.list_logical_devices("CPU")][:2]
+    return tf.distribute.MirroredStrategy(devices)
+
+
+def small_cnn(input_shape=(28, 28, 1), num_classes=10):
+    """A tiny conv net used across tests (seeded by the autouse fixture)."""
+    return keras.Sequential(
+        [
+            keras.Input(input_shape),
+            keras.layers.Conv2D(8, 3, activation="relu"),
+            keras.layers.MaxPooling2D(),
+            keras.layers.Conv2D(16, 3, activation="relu"),
+            keras.layers.GlobalAveragePooling2D(),
+            keras.layers.Dense(num_classes),
+        ]
+    )
