@@ -11,13 +11,36 @@ from keras_mp._compat import check_tensorflow
 
 check_tensorflow()
 
+from keras_mp.annotate import (
+    QuantizeAnnotate,
+    quantize_annotate_layer,
+    quantize_annotate_model,
+    quantize_apply,
+    quantize_model,
+)
+from keras_mp.calibrate import calibrate, quantization_report
+from keras_mp.config import QuantizeConfig
 from keras_mp.datasets import (
     load_digits,
     load_fashion_mnist,
 )
+from keras_mp.layers import (
+    QuantizeActivation,
+    QuantizeWrapper,
+    set_quantization_enabled,
+)
 from keras_mp.loss_scale import (
     LossScaleMonitor,
     LossScaleOptimizer,
+)
+from keras_mp.muppet import (
+    FixedPointInput,
+    FixedPointWrapper,
+    PrecisionState,
+    PrecisionSwitching,
+    estimate_speedup,
+    fixed_point_model,
+    plot_precision,
 )
 from keras_mp.policy import (
     apply_mixed_precision,
