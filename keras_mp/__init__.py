@@ -24,6 +24,14 @@ from keras_mp.datasets import (
     load_digits,
     load_fashion_mnist,
 )
+from keras_mp.export import (
+    ExportError,
+    ParityError,
+    export_onnx,
+    export_saved_model,
+    strip_quantization,
+    verify_onnx,
+)
 from keras_mp.layers import (
     QuantizeActivation,
     QuantizeWrapper,
@@ -49,8 +57,12 @@ from keras_mp.policy import (
     mixed_precision_audit,
     set_tf32,
 )
+from keras_mp.sparsity import is_2_4_sparse, strip_sparsity
+from keras_mp.sparsity_callback import StructuredSparsity
+from keras_mp.sparsity_report import plot_sparsity, sparsity_report
 from keras_mp.tensorrt import (
     Finding,
     LintReport,
     check_tensorrt,
+    trtexec_command,
 )

@@ -537,9 +537,22 @@ def _rule_output_qdq(graph):
 
 
 def _from_quantized_weighted_op(graph, tensor):
+    """The quantized weighted op behind `tensor`, through a BatchNormalization
+    or the Mul/Add-by-constant pair tf2onnx decomposes an inference-mode
+    Keras BatchNormalization into (TensorRT folds both into the conv)."""
     node = graph.producers.get(tensor)
-    if node is not None and node.op_type == "BatchNormalization":
-        node = graph.producers.get(node.input[0])
+    for _ in range(4):
+        if node is None:
+            break
+        if node.op_type == "BatchNormalization":
+            node = graph.producers.get(node.input[0])
+        elif node.op_type in ("Mul", "Add") and len(node.input) == 2:
+            consts = [graph.trace(t).name is not None for t in node.input]
+            if consts.count(True) != 1:
+                break
+            node = graph.producers.get(node.input[consts.index(False)])
+        else:
+            break
     if node is None or node.op_type not in WEIGHT_SLOTS:
         return None
     return node if any(graph.quantized_inputs(node)) else None
@@ -702,3 +715,20 @@ def check_tensorrt(model, check_sparsity="auto", strict=False):
         ),
         sparse_weights=sparse,
     )
+
+
+def trtexec_command(onnx_path, report=None):
+    """The TensorRT 10 `trtexec` command that fits this ONNX file.
+
+    `--stronglyTyped` takes the precisions from the Q/DQ graph (TensorRT 11
+    removed `--int8 --fp16`); `--sparsity=enable` when 2:4 weights are
+    present.
+    """
+    report = report or check_tensorrt(onnx_path)
+    engine = os.path.splitext(os.fspath(onnx_path))[0] + ".engine"
+    command = (
+        f"trtexec --onnx={onnx_path} --saveEngine={engine} --stronglyTyped"
+    )
+    if report.sparse_weights:
+        command += " --sparsity=enable"
+    return command

@@ -48,8 +48,10 @@ def digits():
     return load_digits()
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def mirrored_strategy():
+    """One strategy per process: several MirroredStrategy objects in one
+    process make their collective ops collide (TF InvalidArgumentError)."""
     devices = [d.name for d in tf.config.list_logical_devices("CPU")][:2]
     return tf.distribute.MirroredStrategy(devices)
 

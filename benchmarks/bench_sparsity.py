@@ -1,0 +1,196 @@
+"""2:4 structured sparsity on Fashion-MNIST: accuracy and step-time cost.
+
+The reference CNN (conv/BN/ReLU, channels multiples of 8) is trained dense
+for E epochs. Then, side by side from the same weights:
+
+- one-shot 2:4 magnitude pruning, evaluated right away (no retraining);
+- the pruned model retrained E more epochs with `StructuredSparsity`;
+- a dense control trained the same E extra epochs (goal: the sparse model
+  within 0.5 points of it);
+- the step time of the sparse fit vs the dense fit, measured in interleaved
+  rounds in this one run (goal: <= 10 % overhead).
+
+    python benchmarks/bench_sparsity.py [--quick]
+"""
+
+import argparse
+import os
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+from _common import markdown_table, write_results  # noqa: E402
+
+from keras_mp.datasets import load_fashion_mnist  # noqa: E402
+from keras_mp.reference import compile_classifier, reference_cnn  # noqa: E402
+from keras_mp.sparsity import strip_sparsity  # noqa: E402
+from keras_mp.sparsity_callback import StructuredSparsity  # noqa: E402
+from keras_mp.sparsity_report import sparsity_report  # noqa: E402
+
+BATCH = 128
+
+
+def top1(model, xt, yt):
+    _, acc = model.evaluate(xt, yt, batch_size=1000, verbose=0)
+    return round(100 * float(acc), 2)
+
+
+def copy_of(model, width):
+    clone = reference_cnn(width=width)
+    clone.set_weights(model.get_weights())
+    return compile_classifier(clone)
+
+
+def timed_fit(model, x, y, callbacks):
+    start = time.perf_counter()
+    model.fit(
+        x,
+        y,
+        batch_size=BATCH,
+        epochs=1,
+        shuffle=False,
+        verbose=0,
+        callbacks=callbacks,
+    )
+    return (time.perf_counter() - start) / (len(x) // BATCH)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="smoke run")
+    parser.add_argument("--train-images", type=int, default=12000)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--width", type=int, default=16)
+    parser.add_argument("--timing-rounds", type=int, default=10)
+    parser.add_argument("--timing-batches", type=int, default=10)
+    args = parser.parse_args()
+    if args.quick:
+        args.train_images, args.epochs = 2048, 1
+        args.timing_rounds, args.timing_batches = 2, 8
+    (x, y), (xt, yt) = load_fashion_mnist()
+    x, y = x[: args.train_images], y[: args.train_images]
+    fit = dict(batch_size=BATCH, epochs=args.epochs, verbose=2)
+
+    keras.utils.set_random_seed(0)
+    dense = compile_classifier(reference_cnn(width=args.width))
+    dense.fit(x, y, **fit)
+    results = {"dense_top1": top1(dense, xt, yt)}
+
+    control = copy_of(dense, args.width)
+    sparse = copy_of(dense, args.width)
+    sparsity = StructuredSparsity()
+    # Prune now, outside `fit`, to score the model before any retraining:
+    # these are the two hooks `fit` calls before its first step.
+    sparsity.set_model(sparse)
+    sparsity.on_train_batch_begin(0)
+    report = sparsity_report(sparse)
+    results["one_shot_top1"] = top1(sparse, xt, yt)
+
+    keras.utils.set_random_seed(1)
+    control.fit(x, y, **fit)
+    keras.utils.set_random_seed(1)
+    sparse.fit(x, y, callbacks=[sparsity], **fit)
+    results["dense_control_top1"] = top1(control, xt, yt)
+    results["sparse_retrained_top1"] = top1(sparse, xt, yt)
+    stripped = strip_sparsity(sparse)
+    gap = results["dense_control_top1"] - results["sparse_retrained_top1"]
+    results["retrained_gap_points"] = round(gap, 2)
+    results["accuracy_goal_met"] = bool(gap <= 0.5)
+    report_after = sparsity_report(sparse)
+    results["all_pruned_layers_2_4"] = all(
+        r.pattern_valid for r in report_after.rows if r.eligible
+    )
+    results["strip_max_abs_diff"] = float(
+        np.abs(
+            stripped.predict(xt[:512], verbose=0)
+            - sparse.predict(xt[:512], verbose=0)
+        ).max()
+    )
+
+    # Step time: the same short fit on each model, in A-B-B-A rounds so
+    # machine noise (other processes share the CPU) hits both alike; the
+    # overhead is the median of the per-round paired ratios.
+    xs, ys = x[: args.timing_batches * BATCH], y[: args.timing_batches * BATCH]
+    timed_fit(control, xs, ys, [])  # warm-up
+    timed_fit(sparse, xs, ys, [sparsity])
+    times = {"dense": [], "sparse": []}
+    for i in range(args.timing_rounds):
+        order = ("dense", "sparse") if i % 2 == 0 else ("sparse", "dense")
+        for name in order:
+            if name == "dense":
+                times[name].append(timed_fit(control, xs, ys, []))
+            else:
+                times[name].append(timed_fit(sparse, xs, ys, [sparsity]))
+    ratios = np.array(times["sparse"]) / np.array(times["dense"])
+    overhead = 100 * (float(np.median(ratios)) - 1)
+    results["step_ms_median"] = {
+        k: round(1000 * float(np.median(v)), 2) for k, v in times.items()
+    }
+    results["step_ms_min"] = {
+        k: round(1000 * float(np.min(v)), 2) for k, v in times.items()
+    }
+    results["step_overhead_percent"] = round(overhead, 1)
+    results["step_overhead_percent_of_minimums"] = round(
+        100 * (min(times["sparse"]) / min(times["dense"]) - 1), 1
+    )
+    results["overhead_goal_met"] = bool(overhead <= 10)
+    results["layers"] = [
+        {
+            "name": r.name,
+            "eligible": r.eligible,
+            "reason": r.reason,
+            "kept_magnitude": r.kept_magnitude,
+            "fraction_zero_after": a.fraction_zero,
+            "pattern_valid_after": a.pattern_valid,
+        }
+        for r, a in zip(report.rows, report_after.rows)
+    ]
+    results["config"] = vars(args)
+
+    rows = [
+        ("dense, after E epochs", results["dense_top1"]),
+        ("one-shot 2:4, no retraining", results["one_shot_top1"]),
+        ("dense control, +E epochs", results["dense_control_top1"]),
+        ("2:4 retrained, +E epochs", results["sparse_retrained_top1"]),
+    ]
+    layer_rows = [
+        (
+            r["name"],
+            "yes" if r["eligible"] else f"no: {r['reason']}",
+            "-"
+            if r["kept_magnitude"] is None
+            else f"{r['kept_magnitude']:.3f}",
+            "-"
+            if r["pattern_valid_after"] is None
+            else r["pattern_valid_after"],
+        )
+        for r in results["layers"]
+    ]
+    md = (
+        f"Reference CNN (width {args.width}), {len(x)} Fashion-MNIST "
+        f"training images, E={args.epochs} epochs, batch {BATCH}, 10,000 "
+        "test images.\n\n"
+        + markdown_table(("model", "test top-1 %"), rows)
+        + f"\n\nRetrained 2:4 vs dense control: {-gap:+.2f} points (goal: "
+        "within 0.5).\n\n"
+        f"Step time inside `fit`, {args.timing_rounds} A-B-B-A rounds of "
+        f"{args.timing_batches} batches: median dense "
+        f"{results['step_ms_median']['dense']} ms, 2:4 with the callback "
+        f"{results['step_ms_median']['sparse']} ms; median paired overhead "
+        f"{overhead:+.1f} % (of the fastest rounds: "
+        f"{results['step_overhead_percent_of_minimums']:+.1f} %; goal: "
+        "<= 10 %).\n\n"
+        + markdown_table(
+            ("layer", "pruned", "kept |w| at pruning", "2:4 after"),
+            layer_rows,
+        )
+    )
+    write_results("sparsity", results, md)
+
+
+if __name__ == "__main__":
+    main()

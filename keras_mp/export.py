@@ -1,0 +1,497 @@
+"""Export to Q/DQ ONNX (through tf2onnx) and SavedModel, with parity checks.
+
+tf2onnx turns each fake quant into QuantizeLinear/DequantizeLinear with
+constant scales. Two things are fixed up after conversion so the graph
+meets the TensorRT contract (DESIGN.md): weight Q/DQ pairs on constants are
+folded into INT8 initializers, and a Transpose/Reshape that tf2onnx leaves
+between a weight's DequantizeLinear and its Conv (depthwise kernels) is
+folded into the initializer, so the DQ feeds the Conv directly.
+"""
+
+import dataclasses
+import os
+
+import numpy as np
+
+from keras_mp._compat import optional_import
+from keras_mp.io import atomic_path
+from keras_mp.layers import (
+    QuantizeActivation,
+    QuantizeWrapper,
+    iter_quantize_layers,
+)
+from keras_mp.policy import _check_model
+
+# ONNX output-channel axis of each weighted op's weight input.
+_WEIGHT_AXIS = {"Conv": 0, "ConvTranspose": 1, "MatMul": -1, "Gemm": None}
+_LAYOUT_OPS = ("Transpose", "Reshape", "Identity")
+
+
+class ExportError(ValueError):
+    """The model cannot be exported as asked; the message says why."""
+
+
+class ParityError(ExportError):
+    """ONNX Runtime's outputs differ from Keras' past the tolerance."""
+
+
+@dataclasses.dataclass
+class ParityReport:
+    """Keras vs ONNX Runtime on the same inputs."""
+
+    samples: int
+    top1_agreement: float
+    max_abs_diff: float
+    mean_abs_diff: float
+    rel_l2: float
+    optimized_top1_agreement: float = None
+    optimized_rel_l2: float = None
+
+    def __str__(self):
+        text = (
+            f"ONNX Runtime parity on {self.samples} inputs (graph "
+            f"optimizations off): top-1 agreement "
+            f"{100 * self.top1_agreement:.2f}%, relative L2 {self.rel_l2:.2e}, "
+            f"max |diff| {self.max_abs_diff:.3g}, mean |diff| "
+            f"{self.mean_abs_diff:.3g}"
+        )
+        if self.optimized_top1_agreement is not None:
+            text += (
+                f"; with ORT's default optimizations: top-1 agreement "
+                f"{100 * self.optimized_top1_agreement:.2f}%, relative L2 "
+                f"{self.optimized_rel_l2:.2e}"
+            )
+        return text
+
+
+def _check_exportable(model):
+    _check_model(model)
+    if not model.built or not model.inputs:
+        raise ExportError(
+            f"Model {model.name!r} has never been called, so its input "
+            "signature is unknown. Build it with `keras.Input(...)` or call it "
+            "once on a batch before exporting."
+        )
+    problems = []
+    for layer in iter_quantize_layers(model):
+        quantizers = (
+            layer.input_quantizers
+            if isinstance(layer, QuantizeWrapper)
+            else [layer]
+        )
+        for q in quantizers:
+            if isinstance(q, QuantizeActivation) and float(q.amax.numpy()) <= 0:
+                problems.append(f"{layer.name}/{q.name}")
+    if problems:
+        raise ExportError(
+            f"Uncalibrated (or collapsed, amax 0) activation ranges in "
+            f"{', '.join(problems)}: their scale would be 0, which TensorRT "
+            "rejects. Run keras_mp.calibrate(model, data) first, or skip "
+            "those layers with QuantizeConfig(skip=True)."
+        )
+
+
+def _input_signature(model):
+    import tensorflow as tf
+
+    return [
+        tf.TensorSpec(
+            (None,) + tuple(t.shape[1:]), tf.float32, name=f"input_{i}"
+        )
+        for i, t in enumerate(model.inputs)
+    ]
+
+
+def _trace(model):
+    import tensorflow as tf
+
+    signature = _input_signature(model)
+
+    @tf.function(input_signature=signature)
+    def serve(*inputs):
+        out = model(
+            list(inputs) if len(inputs) > 1 else inputs[0], training=False
+        )
+        outs = out if isinstance(out, (list, tuple)) else [out]
+        return [tf.cast(o, tf.float32) for o in outs]
+
+    return serve, signature
+
+
+def _initializers(graph):
+    return {init.name: init for init in graph.initializer}
+
+
+def _fold_weight_qdq(model_proto):
+    """Weights: QuantizeLinear(const) -> INT8 initializer, and Transpose /
+    Reshape between the DequantizeLinear and its weighted op folded away."""
+    onnx = optional_import("onnx")
+    from onnx import numpy_helper
+
+    graph = model_proto.graph
+    inits = _initializers(graph)
+    producer = {out: node for node in graph.node for out in node.output}
+    consumers = {}
+    for node in graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+    for node in list(graph.node):
+        axis = _WEIGHT_AXIS.get(node.op_type, "skip")
+        if axis == "skip" or len(node.input) < 2:
+            continue
+        chain, name = [], node.input[1]
+        while name in producer and producer[name].op_type in _LAYOUT_OPS:
+            chain.append(producer[name])
+            name = producer[name].input[0]
+        dq = producer.get(name)
+        if dq is None or dq.op_type != "DequantizeLinear":
+            continue
+        codes, scale, zero, dq_axis = _dq_constants(dq, producer, inits)
+        if codes is None or (not chain and dq.input[0] in inits):
+            continue
+        values = _dequantize(codes, scale, dq_axis)
+        for op in reversed(chain):
+            values = _apply_layout(op, values, inits)
+        weight_axis = axis if axis is not None else 1
+        weight_axis %= values.ndim
+        if scale.size > 1:
+            shape = [1] * values.ndim
+            shape[weight_axis] = -1
+            if values.shape[weight_axis] != scale.size:
+                continue  # not per-channel on the output axis: leave it
+            new_codes = np.rint(values / scale.reshape(shape))
+        else:
+            new_codes = np.rint(values / scale)
+        new_codes = new_codes.astype(np.int8)
+        base = f"{node.name}_weight"
+        graph.initializer.extend(
+            [
+                numpy_helper.from_array(new_codes, f"{base}_int8"),
+                numpy_helper.from_array(
+                    scale.astype(np.float32), f"{base}_scale"
+                ),
+                numpy_helper.from_array(
+                    np.zeros(scale.shape, np.int8), f"{base}_zero_point"
+                ),
+            ]
+        )
+        attrs = {"axis": weight_axis} if scale.size > 1 else {}
+        new_dq = onnx.helper.make_node(
+            "DequantizeLinear",
+            [f"{base}_int8", f"{base}_scale", f"{base}_zero_point"],
+            [f"{base}_dq"],
+            name=f"{base}_DequantizeLinear",
+            **attrs,
+        )
+        graph.node.insert(list(graph.node).index(node), new_dq)
+        node.input[1] = f"{base}_dq"
+    _prune_dead(graph)
+    return model_proto
+
+
+def _dq_constants(dq, producer, inits):
+    from onnx import helper, numpy_helper
+
+    def const(name):
+        if name in inits:
+            return numpy_helper.to_array(inits[name])
+        node = producer.get(name)
+        if node is not None and node.op_type == "Constant":
+            return numpy_helper.to_array(node.attribute[0].t)
+        return None
+
+    axis = next(
+        (
+            helper.get_attribute_value(a)
+            for a in dq.attribute
+            if a.name == "axis"
+        ),
+        1,
+    )
+    scale = const(dq.input[1])
+    zero = const(dq.input[2]) if len(dq.input) > 2 else None
+    codes = const(dq.input[0])
+    q = producer.get(dq.input[0])
+    if codes is None and q is not None and q.op_type == "QuantizeLinear":
+        values = const(q.input[0])
+        if values is None:
+            return None, None, None, None
+        q_axis = next(
+            (
+                helper.get_attribute_value(a)
+                for a in q.attribute
+                if a.name == "axis"
+            ),
+            1,
+        )
+        codes = _quantize(values, const(q.input[1]), q_axis)
+    if codes is None or scale is None:
+        return None, None, None, None
+    return codes, np.asarray(scale, np.float32), zero, axis
+
+
+def _broadcast_scale(scale, ndim, axis):
+    if scale.size == 1:
+        return scale.reshape(())
+    shape = [1] * ndim
+    shape[axis % ndim] = -1
+    return scale.reshape(shape)
+
+
+def _quantize(values, scale, axis):
+    scale = _broadcast_scale(np.asarray(scale, np.float32), values.ndim, axis)
+    return np.clip(np.rint(values / scale), -128, 127).astype(np.int8)
+
+
+def _dequantize(codes, scale, axis):
+    return codes.astype(np.float32) * _broadcast_scale(scale, codes.ndim, axis)
+
+
+def _apply_layout(op, values, inits):
+    from onnx import helper, numpy_helper
+
+    if op.op_type == "Transpose":
+        perm = next(
+            (
+                helper.get_attribute_value(a)
+                for a in op.attribute
+                if a.name == "perm"
+            ),
+            None,
+        )
+        return np.transpose(values, perm)
+    if op.op_type == "Reshape":
+        shape = numpy_helper.to_array(inits[op.input[1]])
+        return values.reshape([int(s) for s in shape])
+    return values
+
+
+def _prune_dead(graph):
+    """Removes nodes and initializers nothing consumes any more."""
+    outputs = {o.name for o in graph.output}
+    while True:
+        used = {name for node in graph.node for name in node.input} | outputs
+        dead = [n for n in graph.node if not any(o in used for o in n.output)]
+        if not dead:
+            break
+        for node in dead:
+            graph.node.remove(node)
+    used = {name for node in graph.node for name in node.input}
+    for init in list(graph.initializer):
+        if init.name not in used:
+            graph.initializer.remove(init)
+
+
+def _session(path, optimized):
+    ort = optional_import("onnxruntime")
+    options = ort.SessionOptions()
+    if not optimized:
+        options.graph_optimization_level = (
+            ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        )
+    return ort.InferenceSession(
+        str(path), options, providers=["CPUExecutionProvider"]
+    )
+
+
+def _run(session, x, batch_size=512):
+    name = session.get_inputs()[0].name
+    outs = [
+        session.run(None, {name: x[i : i + batch_size]})[0]
+        for i in range(0, len(x), batch_size)
+    ]
+    return np.concatenate(outs)
+
+
+def _compare(want, got):
+    diff = np.abs(want - got)
+    agree = float(np.mean(want.argmax(-1) == got.argmax(-1)))
+    rel = float(np.linalg.norm(want - got) / max(np.linalg.norm(want), 1e-12))
+    return agree, float(diff.max()), float(diff.mean()), rel
+
+
+def verify_onnx(
+    model, onnx_path, data, min_top1_agreement=0.999, max_rel_l2=0.01
+):
+    """Runs Keras and ONNX Runtime on `data` and compares them.
+
+    The reference check runs ONNX Runtime with graph optimizations off, so
+    it tests Q/DQ semantics rather than ORT's CPU integer kernels (which
+    saturate on CPUs without VNNI); the default-optimized figures are
+    reported beside it.
+
+    Args:
+        model: the Keras model.
+        onnx_path: str. The exported file.
+        data: NumPy array of inputs.
+        min_top1_agreement: float. Fail below this. Defaults to 0.999.
+        max_rel_l2: float. Fail above this relative L2 difference of the
+            outputs. Defaults to 0.01.
+
+    Returns:
+        `ParityReport`.
+
+    Raises:
+        ParityError: past a tolerance.
+    """
+    data = np.asarray(data, np.float32)
+    if data.ndim == 0 or len(data) == 0:
+        raise ExportError("`verify_data` is empty: pass some real inputs.")
+    want = np.asarray(
+        model.predict(data, batch_size=512, verbose=0), np.float32
+    )
+    got = _run(_session(onnx_path, optimized=False), data)
+    agree, max_diff, mean_diff, rel = _compare(want, got)
+    opt_agree, _, _, opt_rel = _compare(
+        want, _run(_session(onnx_path, True), data)
+    )
+    report = ParityReport(
+        len(data), agree, max_diff, mean_diff, rel, opt_agree, opt_rel
+    )
+    if agree < min_top1_agreement or rel > max_rel_l2:
+        raise ParityError(
+            f"{report}. Tolerance: top-1 agreement >= "
+            f"{100 * min_top1_agreement:.2f}% and relative L2 <= {max_rel_l2}."
+        )
+    return report
+
+
+def export_onnx(
+    model,
+    path,
+    opset=17,
+    inputs_as_nchw=None,
+    verify_data=None,
+    overwrite=False,
+    min_top1_agreement=0.999,
+    max_rel_l2=0.01,
+):
+    """Exports a Keras model to ONNX with TensorRT-style Q/DQ.
+
+    Works for float, mixed-precision (float32 inputs and outputs) and
+    quantized models. The file is written to a temporary path, verified
+    when `verify_data` is given, then renamed: a failure leaves no partial
+    file and any previous file intact.
+
+    Args:
+        model: a called `keras.Model`.
+        path: str. The `.onnx` file to write.
+        opset: int. ONNX opset, >= 13 (per-channel Q/DQ). Defaults to 17.
+        inputs_as_nchw: list of input names to expose as NCHW. Defaults to
+            None (NHWC, as the Keras model).
+        verify_data: NumPy array. When given, compare ONNX Runtime with
+            Keras on it (see `verify_onnx`) before the file lands.
+        overwrite: bool. Replace an existing file. Defaults to False.
+        min_top1_agreement: float. Parity tolerance. Defaults to 0.999.
+        max_rel_l2: float. Parity tolerance. Defaults to 0.01.
+
+    Returns:
+        `ParityReport` when `verify_data` was given, else None.
+
+    Raises:
+        ExportError: not exportable (never called, uncalibrated ranges,
+            opset < 13, existing file without `overwrite`, an op tf2onnx
+            cannot convert).
+        ParityError: ONNX Runtime disagrees with Keras past the tolerance.
+
+    Example:
+
+    >>> keras_mp.export_onnx(qmodel, "model.onnx", verify_data=x_test[:1000])
+    """
+    tf2onnx = optional_import("tf2onnx")
+    onnx = optional_import("onnx")
+    if not isinstance(opset, int) or opset < 13:
+        raise ExportError(
+            f"Per-channel Q/DQ needs opset >= 13. Received: opset={opset!r}"
+        )
+    path = os.fspath(path)
+    if os.path.exists(path) and not overwrite:
+        raise ExportError(
+            f"{path} exists. Pass overwrite=True (CLI: --overwrite) to "
+            "replace it."
+        )
+    _check_exportable(model)
+    serve, signature = _trace(model)
+    try:
+        proto, _ = tf2onnx.convert.from_function(
+            serve,
+            input_signature=signature,
+            opset=opset,
+            inputs_as_nchw=inputs_as_nchw,
+        )
+    except Exception as e:  # tf2onnx raises bare exceptions for unknown ops
+        raise ExportError(
+            f"tf2onnx could not convert model {model.name!r}: {e}"
+        ) from e
+    proto = _fold_weight_qdq(proto)
+    onnx.checker.check_model(proto)
+    report = None
+    with atomic_path(path) as tmp:
+        onnx.save(proto, tmp)
+        if verify_data is not None:
+            report = verify_onnx(
+                model, tmp, verify_data, min_top1_agreement, max_rel_l2
+            )
+    return report
+
+
+def export_saved_model(model, path, overwrite=False, verify_data=None):
+    """Exports a serving SavedModel (`serve` endpoint), atomically.
+
+    Quantize wrappers stay (they are the numerics); training-only pieces
+    do not reach the graph (`training=False`).
+
+    Args:
+        model: a called `keras.Model`.
+        path: str. The SavedModel folder.
+        overwrite: bool. Replace an existing folder. Defaults to False.
+        verify_data: NumPy array. When given, reload and compare outputs.
+
+    Returns:
+        The max absolute difference on `verify_data`, or None.
+    """
+    import tensorflow as tf
+
+    path = os.fspath(path)
+    if os.path.exists(path) and not overwrite:
+        raise ExportError(f"{path} exists. Pass overwrite=True to replace it.")
+    _check_model(model)
+    if not model.built or not model.inputs:
+        raise ExportError(
+            f"Model {model.name!r} has never been called. Call it once first."
+        )
+    diff = None
+    with atomic_path(path, is_dir=True) as tmp:
+        model.export(tmp, format="tf_saved_model", verbose=False)
+        if verify_data is not None:
+            loaded = tf.saved_model.load(tmp)
+            data = np.asarray(verify_data, np.float32)
+            got = loaded.serve(data)
+            want = model.predict(data, verbose=0)
+            diff = float(np.max(np.abs(np.asarray(got) - want)))
+    return diff
+
+
+def strip_quantization(model):
+    """A float copy of a quantized model: wrappers removed, weights kept."""
+    from keras_mp.annotate import QuantizeAnnotate, _clone_with_weights
+
+    def clone(layer):
+        if isinstance(layer, (QuantizeWrapper, QuantizeAnnotate)):
+            return layer.layer.__class__.from_config(layer.layer.get_config())
+        return layer.__class__.from_config(layer.get_config())
+
+    return _clone_with_weights(model, clone)
+
+
+def onnx_summary(path):
+    """Counts of Q/DQ nodes and weighted ops in an ONNX file (a dict)."""
+    onnx = optional_import("onnx")
+    graph = onnx.load(os.fspath(path)).graph
+    ops = [n.op_type for n in graph.node]
+    return {
+        "nodes": len(ops),
+        "quantize_linear": ops.count("QuantizeLinear"),
+        "dequantize_linear": ops.count("DequantizeLinear"),
+        "weighted_ops": sum(ops.count(o) for o in _WEIGHT_AXIS),
+    }

@@ -1,0 +1,205 @@
+"""Per-layer 2:4 sparsity report and its plot (matplotlib, optional)."""
+
+import dataclasses
+
+import numpy as np
+
+from keras_mp._compat import optional_import
+from keras_mp.io import atomic_path
+from keras_mp.sparsity import (
+    SparsityMask,
+    check_eligible,
+    check_m_n,
+    check_model,
+    input_channel_axis,
+    is_2_4_sparse,
+    magnitude_mask,
+    select_layers,
+    value,
+)
+
+
+@dataclasses.dataclass
+class LayerSparsity:
+    """One row of a `SparsityReport`.
+
+    Attributes:
+        name: str. Layer name.
+        class_name: str. Layer class.
+        kernel_shape: tuple or None. Shape of the prunable kernel.
+        axis: int or None. Input-channel axis of that kernel.
+        eligible: bool. The layer can be pruned to m:n.
+        reason: str or None. Why it cannot, when it cannot.
+        masked: bool. A `SparsityMask` has pruned it.
+        pattern_valid: bool or None. The kernel satisfies m:n now.
+        fraction_zero: float or None. Share of kernel entries that are 0.
+        kept_magnitude: float or None. Share of the dense sum |w| that m:n
+            keeps: recorded at pruning time for a masked layer, otherwise
+            what magnitude pruning of the current kernel would keep.
+    """
+
+    name: str
+    class_name: str
+    kernel_shape: tuple = None
+    axis: int = None
+    eligible: bool = False
+    reason: str = None
+    masked: bool = False
+    pattern_valid: bool = None
+    fraction_zero: float = None
+    kept_magnitude: float = None
+
+
+@dataclasses.dataclass
+class SparsityReport:
+    """What `sparsity_report` found; `print(report)` shows a table.
+
+    Attributes:
+        rows: list of `LayerSparsity`, in model order.
+        m: int. Weights kept per group.
+        n: int. Group size.
+    """
+
+    rows: list
+    m: int = 2
+    n: int = 4
+
+    def to_dicts(self):
+        """The rows as a list of plain dicts (JSON-ready)."""
+        return [dataclasses.asdict(r) for r in self.rows]
+
+    def __str__(self):
+        def fmt(value):
+            if value is None:
+                return "-"
+            if isinstance(value, float):
+                return f"{value:.3f}"
+            return str(value)
+
+        header = ("layer", "type", "eligible", f"{self.m}:{self.n}")
+        header += ("zeros", "kept |w|", "reason")
+        lines = [header]
+        for r in self.rows:
+            lines.append(
+                (r.name, r.class_name, fmt(r.eligible), fmt(r.pattern_valid))
+                + (fmt(r.fraction_zero), fmt(r.kept_magnitude), r.reason or "")
+            )
+        widths = [max(len(line[i]) for line in lines) for i in range(7)]
+        text = [
+            "  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip()
+            for line in lines
+        ]
+        text.insert(1, "  ".join("-" * w for w in widths))
+        return "\n".join(text)
+
+
+def _row(layer, m, n, pad):
+    row = LayerSparsity(layer.name, type(layer).__name__)
+    spec = check_eligible(layer, m, n, pad)
+    if isinstance(spec, str):
+        row.reason = spec
+        full = input_channel_axis(layer)
+        if (
+            not isinstance(full, str)
+            and getattr(layer, full[0], None) is not None
+        ):
+            row.kernel_shape = tuple(getattr(layer, full[0]).shape)
+            row.axis = full[2]
+        return row
+    kernel_attr, _, axis = spec
+    kernel = getattr(layer, kernel_attr)
+    w = value(kernel)
+    row.kernel_shape, row.axis, row.eligible = w.shape, axis, True
+    constraint = kernel.constraint
+    row.masked = isinstance(constraint, SparsityMask) and (
+        int(value(constraint.kept)) < constraint.n
+    )
+    row.pattern_valid = is_2_4_sparse(w, axis, m, n, pad)
+    row.fraction_zero = float(np.mean(w == 0))
+    if row.masked:
+        row.kept_magnitude = float(value(constraint.kept_magnitude))
+    else:
+        total = np.abs(w).sum()
+        kept = np.abs(w * magnitude_mask(w, axis, m, n, pad)).sum()
+        row.kept_magnitude = float(kept / total) if total else 1.0
+    return row
+
+
+def sparsity_report(model, m=2, n=4, layers=None, pad=False):
+    """Per-layer m:n sparsity of a model: eligible, valid, zeros, magnitude.
+
+    Args:
+        model: a built `keras.Model`.
+        m: int. Weights kept per group. Defaults to 2.
+        n: int. Group size. Defaults to 4.
+        layers: optional selection, as in `StructuredSparsity`. Defaults to
+            None: every layer with a kernel.
+        pad: bool. Count channel counts that are not a multiple of `n` as
+            zero-padded. Defaults to False.
+
+    Returns:
+        A `SparsityReport`; `print()` it for a table, `.to_dicts()` for JSON.
+
+    Raises:
+        TypeError: `model` is not a Keras 3 model.
+        ValueError: bad `m`/`n`, or `layers` matches no layer.
+
+    Example:
+
+    >>> print(sparsity_report(model))  # doctest: +SKIP
+    """
+    check_model(model, "sparsity_report")
+    check_m_n(m, n)
+    rows = [_row(layer, m, n, pad) for layer in select_layers(model, layers)]
+    return SparsityReport(rows, m, n)
+
+
+def plot_sparsity(report_or_model, path, title=None):
+    """Bar chart of per-layer zero fraction and kept |w|, written to PNG.
+
+    Needs matplotlib (`pip install keras-mp[plot]`). The PNG is written to
+    a temporary file first and moved into place, so `path` is never left
+    half-written.
+
+    Args:
+        report_or_model: a `SparsityReport` or a `keras.Model`.
+        path: str. Where to write the PNG.
+        title: str. Figure title. Defaults to "m:n structured sparsity".
+
+    Returns:
+        `path`.
+
+    Raises:
+        ImportError: matplotlib is missing; names the extra to install.
+        TypeError: neither a report nor a Keras model.
+
+    Example:
+
+    >>> plot_sparsity(model, "sparsity.png")  # doctest: +SKIP
+    """
+    report = report_or_model
+    if not isinstance(report, SparsityReport):
+        report = sparsity_report(report_or_model)
+    optional_import("matplotlib")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    rows = report.rows
+    fig = Figure(figsize=(8, 0.35 * len(rows) + 1.5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    y = np.arange(len(rows))
+    zeros = [r.fraction_zero or 0.0 for r in rows]
+    kept = [r.kept_magnitude or 0.0 for r in rows]
+    ax.barh(y - 0.2, zeros, height=0.4, label="fraction zero")
+    ax.barh(y + 0.2, kept, height=0.4, label="kept |w| fraction")
+    labels = [r.name if r.eligible else f"{r.name} (skipped)" for r in rows]
+    ax.set_yticks(y, labels)
+    ax.invert_yaxis()
+    ax.set_xlim(0, 1)
+    ax.set_title(title or f"{report.m}:{report.n} structured sparsity")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png")
+    return path

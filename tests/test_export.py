@@ -1,0 +1,184 @@
+"""Export: Q/DQ ONNX that passes the TensorRT lint and matches Keras in
+ONNX Runtime, on real architectures; SavedModel; CLI export/lint."""
+
+import os
+
+import keras
+import numpy as np
+import onnx
+import pytest
+from conftest import small_cnn
+
+import keras_mp
+from keras_mp import cli
+from keras_mp.reference import reference_cnn
+
+
+def _quantized(model, x):
+    qmodel = keras_mp.quantize_model(model)
+    keras_mp.calibrate(qmodel, x, verbose=0)
+    return qmodel
+
+
+def _check_artifact(path, expect_weighted):
+    report = keras_mp.check_tensorrt(path)
+    assert report.ok, str(report)
+    assert report.weighted_ops == expect_weighted
+    assert report.weighted_ops_quantized == report.weighted_ops
+    graph = onnx.load(path).graph
+    producers = {o: n for n in graph.node for o in n.output}
+    for node in graph.node:
+        if node.op_type in ("Conv", "MatMul", "ConvTranspose"):
+            # the weight's DQ feeds the weighted op directly
+            assert producers[node.input[1]].op_type == "DequantizeLinear"
+    return report
+
+
+def _concat_transpose_model():
+    inputs = keras.Input((16, 16, 8))
+    a = keras.layers.Conv2D(8, 3, padding="same", activation="relu")(inputs)
+    b = keras.layers.Conv2D(8, 1, activation="relu")(inputs)
+    x = keras.layers.Concatenate()([a, b])
+    x = keras.layers.Conv2DTranspose(8, 3, strides=2, padding="same")(x)
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    return keras.Model(inputs, keras.layers.Dense(10)(x))
+
+
+ARCHITECTURES = [
+    # residual adds, depthwise convolutions, a dense head
+    ("reference_cnn", lambda: reference_cnn(width=8), (28, 28, 1), 8),
+    # inverted residuals, depthwise (ReLU6), squeeze-free
+    (
+        "MobileNetV2",
+        lambda: keras.applications.MobileNetV2(
+            input_shape=(32, 32, 3), alpha=0.35, weights=None, classes=10
+        ),
+        (32, 32, 3),
+        None,
+    ),
+    # squeeze-excite multiplies, depthwise, swish
+    (
+        "EfficientNetB0",
+        lambda: keras.applications.EfficientNetB0(
+            input_shape=(32, 32, 3), weights=None, classes=10
+        ),
+        (32, 32, 3),
+        None,
+    ),
+    ("concat_transpose", _concat_transpose_model, (16, 16, 8), 4),
+]
+
+
+@pytest.mark.parametrize(
+    "name,make,shape,weighted", ARCHITECTURES, ids=[a[0] for a in ARCHITECTURES]
+)
+def test_export_lint_clean_and_parity(name, make, shape, weighted, tmp_path):
+    if name == "EfficientNetB0" and not os.environ.get("KERAS_MP_SLOW"):
+        pytest.skip("EfficientNetB0 export takes ~1 min: KERAS_MP_SLOW=1")
+    x = np.random.default_rng(0).random((32,) + shape, dtype=np.float32)
+    model = make()
+    qmodel = _quantized(model, x)
+    path = str(tmp_path / f"{name}.onnx")
+    parity = keras_mp.export_onnx(qmodel, path, verify_data=x)
+    assert parity.top1_agreement >= 0.999 and parity.rel_l2 <= 0.01
+    n_weighted = sum(
+        isinstance(w, keras_mp.QuantizeWrapper) and bool(w.weight_ranges)
+        for w in qmodel.layers
+    )
+    n_weighted += sum(
+        isinstance(w, keras_mp.QuantizeWrapper)
+        and isinstance(w.layer, keras.layers.SeparableConv2D)
+        for w in qmodel.layers
+    )
+    _check_artifact(path, weighted or n_weighted)
+
+
+def test_float_and_mixed_precision_models_export(tmp_path):
+    x = np.random.default_rng(0).random((16, 28, 28, 1), dtype=np.float32)
+    model = small_cnn()
+    keras_mp.export_onnx(model, tmp_path / "f.onnx", verify_data=x)
+    keras_mp.enable_mixed_precision("mixed_float16")
+    mixed = keras_mp.apply_mixed_precision(small_cnn())
+    mixed(x)
+    report = keras_mp.export_onnx(
+        mixed, tmp_path / "m.onnx", verify_data=x, max_rel_l2=0.02
+    )
+    assert report.top1_agreement >= 0.999
+    graph = onnx.load(tmp_path / "m.onnx").graph
+    assert graph.input[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT
+    assert graph.output[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT
+
+
+def test_bad_exports_leave_nothing_half_written(tmp_path):
+    x = np.random.default_rng(0).random((8, 28, 28, 1), dtype=np.float32)
+    qmodel = keras_mp.quantize_model(small_cnn())
+    path = tmp_path / "q.onnx"
+    with pytest.raises(keras_mp.ExportError, match="Uncalibrated"):
+        keras_mp.export_onnx(qmodel, path)
+    assert not path.exists()
+    keras_mp.calibrate(qmodel, x, verbose=0)
+    path.write_bytes(b"previous")
+    with pytest.raises(keras_mp.ExportError, match="overwrite"):
+        keras_mp.export_onnx(qmodel, path)
+    # a parity failure (impossible tolerance) leaves the previous file
+    with pytest.raises(keras_mp.ParityError, match="Tolerance"):
+        keras_mp.export_onnx(
+            qmodel, path, verify_data=x, overwrite=True, max_rel_l2=-1.0
+        )
+    assert path.read_bytes() == b"previous"
+    assert os.listdir(tmp_path) == ["q.onnx"]
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        keras_mp.export_onnx(qmodel, tmp_path / "missing" / "q.onnx")
+    with pytest.raises(keras_mp.ExportError, match="opset >= 13"):
+        keras_mp.export_onnx(qmodel, tmp_path / "o.onnx", opset=11)
+    never_called = keras.Sequential([keras.layers.Dense(3)])
+    with pytest.raises(keras_mp.ExportError, match="never been called"):
+        keras_mp.export_onnx(never_called, tmp_path / "n.onnx")
+
+
+def test_saved_model_round_trip(tmp_path):
+    x = np.random.default_rng(0).random((8, 28, 28, 1), dtype=np.float32)
+    qmodel = _quantized(small_cnn(), x)
+    diff = keras_mp.export_saved_model(qmodel, tmp_path / "sm", verify_data=x)
+    assert diff is not None and diff < 1e-5
+
+
+def test_strip_quantization_gives_the_float_model():
+    x = np.random.default_rng(0).random((4, 28, 28, 1), dtype=np.float32)
+    model = small_cnn()
+    stripped = keras_mp.strip_quantization(_quantized(model, x))
+    assert not any(
+        isinstance(w, keras_mp.QuantizeWrapper) for w in stripped.layers
+    )
+    np.testing.assert_allclose(stripped(x), model(x), atol=1e-6)
+
+
+def test_cli_export_and_lint(tmp_path, capsys):
+    x = np.random.default_rng(0).random((16, 28, 28, 1), dtype=np.float32)
+    model = small_cnn()
+    model.save(tmp_path / "m.keras")
+    np.save(tmp_path / "x.npy", x)
+    out = tmp_path / "m.onnx"
+    code = cli.main(
+        [
+            "export",
+            str(tmp_path / "m.keras"),
+            "--onnx",
+            str(out),
+            "--calibrate",
+            str(tmp_path / "x.npy"),
+            "--verify",
+            str(tmp_path / "x.npy"),
+        ]
+    )
+    text = capsys.readouterr().out
+    assert code == 0 and out.exists()
+    assert "trtexec --onnx=" in text and "--stronglyTyped" in text
+    assert "top-1 agreement 100.00%" in text
+    assert cli.main(["lint", str(out)]) == 0
+    (tmp_path / "bad.onnx").write_bytes(b"not onnx")
+    assert cli.main(["lint", str(tmp_path / "bad.onnx")]) == 2
+    assert "bad.onnx" in capsys.readouterr().err
+    assert (
+        cli.main(["export", str(tmp_path / "nope.keras"), "--onnx", "x"]) == 2
+    )
