@@ -7,6 +7,12 @@ ONNX export, all for Keras 3 models and `model.fit`.
 
 __version__ = "0.1.0"
 
+import os as _os
+
+# Quiet TensorFlow's C++ start-up and grappler logs unless the user chose a
+# level (this only takes effect when keras_mp is imported before TF).
+_os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
 from keras_mp._compat import check_tensorflow
 
 check_tensorflow()

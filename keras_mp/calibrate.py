@@ -78,6 +78,10 @@ def _entropy(collector, num_bits=8, stride=1, **_):
     """TensorRT's calibration: the clip threshold whose 128-level quantized
     distribution has the least KL divergence from the clipped reference."""
     hist = collector.hist.astype(np.float64)
+    # ReLU outputs put half their mass in bin 0; that spike would dominate
+    # the divergence and pick a tiny range. TensorRT's reference
+    # implementation (pytorch-quantization) flattens it the same way.
+    hist[0] = hist[1]
     levels = 2 ** (num_bits - 1)
     best, best_i = np.inf, len(hist)
     for i in range(levels, len(hist) + 1, stride):

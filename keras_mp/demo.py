@@ -44,7 +44,7 @@ def load_demo_data(quick):
         (x, y), (xt, yt) = datasets.load_digits()
         name = "scikit-learn digits (Fashion-MNIST not installed)"
     if quick:
-        x, y, xt, yt = x[:3000], y[:3000], xt[:1000], yt[:1000]
+        x, y, xt, yt = x[:6000], y[:6000], xt[:1000], yt[:1000]
     return name, (x, y), (xt, yt)
 
 
@@ -143,7 +143,7 @@ def run_demo(output="demo-report", quick=False, overwrite=False):
     """
     _prepare_output(output, overwrite)
     name, (x, y), (xt, yt) = load_demo_data(quick)
-    epochs, qat_epochs = (1, 1) if quick else (4, 1)
+    epochs, qat_epochs = (2, 1) if quick else (4, 1)
     width = 16 if quick else 32
     results = {"data": name, "train_images": len(x), "test_images": len(xt)}
 

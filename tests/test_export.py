@@ -182,3 +182,35 @@ def test_cli_export_and_lint(tmp_path, capsys):
     assert (
         cli.main(["export", str(tmp_path / "nope.keras"), "--onnx", "x"]) == 2
     )
+
+
+def test_sparse_then_qat_keeps_2_4_through_export(tmp_path):
+    rng = np.random.default_rng(0)
+    x = rng.random((64, 12, 12, 8), dtype=np.float32)
+    y = np.arange(64) % 4
+    inputs = keras.Input((12, 12, 8))
+    h = keras.layers.Conv2D(16, 3, activation="relu", name="conv")(inputs)
+    h = keras.layers.GlobalAveragePooling2D()(h)
+    model = keras.Model(inputs, keras.layers.Dense(4, name="fc")(h))
+    model.compile("adam", "sparse_categorical_crossentropy")
+    model.fit(
+        x, y, epochs=1, verbose=0, callbacks=[keras_mp.StructuredSparsity()]
+    )
+    qmodel = keras_mp.quantize_model(model)
+    keras_mp.calibrate(qmodel, x, verbose=0)
+    qmodel.compile(
+        keras.optimizers.Adam(1e-3), "sparse_categorical_crossentropy"
+    )
+    qmodel.fit(
+        x, y, epochs=2, verbose=0, callbacks=[keras_mp.StructuredSparsity()]
+    )
+    for name in ("quant_conv", "quant_fc"):
+        kernel = qmodel.get_layer(name).layer.kernel.numpy()
+        axis = 0 if kernel.ndim == 2 else -2
+        assert keras_mp.is_2_4_sparse(kernel, axis), name
+    path = tmp_path / "sparse.onnx"
+    keras_mp.export_onnx(qmodel, path, verify_data=x)
+    report = keras_mp.check_tensorrt(path, check_sparsity=True)
+    assert report.ok, str(report)
+    assert len(report.sparse_weights) == 2
+    assert "--sparsity=enable" in keras_mp.trtexec_command(path, report)

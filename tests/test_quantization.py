@@ -319,3 +319,16 @@ def test_bad_inputs_name_the_fault():
         keras_mp.quantize_model(Sub())
     with pytest.raises(ValueError, match="num_bits"):
         keras_mp.QuantizeConfig(num_bits=16)
+
+
+def test_entropy_calibrator_is_not_fooled_by_relu_zeros():
+    from keras_mp.calibrate import HistogramCollector, _entropy
+
+    rng = np.random.default_rng(0)
+    relu = np.maximum(rng.standard_normal(200_000), 0.0)  # half exact zeros
+    collector = HistogramCollector("relu")
+    collector.update(relu)
+    amax = _entropy(collector)
+    # KL keeps most of the range of a half-normal: not the 10% the zero
+    # spike would pick, not the outlier max either
+    assert 0.5 * collector.amax < amax < collector.amax

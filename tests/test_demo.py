@@ -1,0 +1,42 @@
+"""`keras-mp demo --quick` end to end: the report says what happened."""
+
+import json
+
+import pytest
+
+from keras_mp import cli
+
+
+@pytest.fixture(scope="module")
+def quick_report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo") / "report"
+    assert cli.main(["demo", "--quick", "--output", str(out)]) == 0
+    return out
+
+
+def test_report_covers_every_method(quick_report):
+    results = json.loads((quick_report / "results.json").read_text())
+    assert results["data"].startswith("Fashion-MNIST")
+    methods = results["methods"]
+    expected = {"float32", "qat", "float32_control", "sparse_2_4_qat"}
+    expected |= {f"ptq_{m}" for m in ("max", "percentile", "entropy", "mse")}
+    assert set(methods) == expected
+    for label, m in methods.items():
+        assert m["tensorrt_lint"] == "clean", label
+        assert m["parity_top1_agreement"] >= 99.9, label
+        assert 0 < m["test_top1"] <= 100 and m["latency_ms_batch1"] > 0
+        assert (m["qdq_nodes"] > 0) == (
+            label not in ("float32", "float32_control")
+        )
+    assert methods["sparse_2_4_qat"]["sparse_2_4_weights"] > 0
+    report = (quick_report / "report.md").read_text()
+    assert "| qat |" in report and "Tensor Core audit" in report
+    for plot in ("accuracy.png", "latency.png", "sparsity.png"):
+        assert (quick_report / plot).stat().st_size > 1000
+
+
+def test_rerun_never_loses_a_report(quick_report, capsys):
+    before = (quick_report / "report.md").read_text()
+    assert cli.main(["demo", "--quick", "--output", str(quick_report)]) == 2
+    assert "--overwrite" in capsys.readouterr().err
+    assert (quick_report / "report.md").read_text() == before
