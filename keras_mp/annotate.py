@@ -7,14 +7,13 @@ Add, on every input of a Concatenate; BatchNormalization is left unfolded
 for TensorRT to fold.
 """
 
-import re
-
 import keras
 from keras.src.models.functional import Functional
 
 from keras_mp.config import SKIP_INPUTS, QuantizeConfig, layer_spec
 from keras_mp.layers import QuantizeActivation, QuantizeWrapper
 from keras_mp.policy import _check_model
+from keras_mp.selection import layer_matcher
 
 
 @keras.saving.register_keras_serializable(package="keras_mp")
@@ -78,36 +77,12 @@ def quantize_annotate_layer(layer, config=None):
     return QuantizeAnnotate(layer, config)
 
 
-def _matcher(selection):
-    """Turns a name, regex, class, callable or list of them into a test."""
-    if selection is None:
-        return lambda layer: True
-    if isinstance(selection, (list, tuple, set)):
-        tests = [_matcher(s) for s in selection]
-        return lambda layer: any(t(layer) for t in tests)
-    if isinstance(selection, type):
-        return lambda layer: isinstance(layer, selection)
-    if isinstance(selection, re.Pattern):
-        return lambda layer: bool(selection.fullmatch(layer.name))
-    if isinstance(selection, str):
-        pattern = re.compile(selection)
-        return lambda layer: (
-            layer.name == selection or bool(pattern.fullmatch(layer.name))
-        )
-    if callable(selection):
-        return lambda layer: bool(selection(layer))
-    raise TypeError(
-        "`layers` must be a name, regex, layer class, callable, or a list of "
-        f"them. Received: {selection!r}"
-    )
-
-
 def _config_for(layer, config):
     if config is None or isinstance(config, QuantizeConfig):
         return config
     if isinstance(config, dict):
         for key, value in config.items():
-            if _matcher(key)(layer):
+            if layer_matcher(key)(layer):
                 return value
         return None
     raise TypeError(
@@ -168,7 +143,7 @@ def quantize_annotate_model(model, layers=None, config=None):
             no quantizable layer.
     """
     _check_graph_model(model)
-    match = _matcher(layers)
+    match = layer_matcher(layers)
     chosen = {}
     for layer in _flat_layers(model):
         if isinstance(layer, (keras.Model, keras.layers.InputLayer)):

@@ -20,11 +20,11 @@ ordinary variable holding the masked values, which a quantize wrapper can
 read and fake-quantize like any other kernel.
 """
 
-import re
-
 import keras
 import numpy as np
 from keras.src.saving.keras_saveable import KerasSaveable
+
+from keras_mp.selection import layer_matcher
 
 SCHEDULES = ("one_shot", "gradual")
 _REGISTERED_NAME = "keras_mp>SparsityMask"
@@ -329,28 +329,6 @@ def weighted_layers(model):
     return out
 
 
-def _matcher(selection):
-    if selection is None:
-        return lambda layer: True
-    if isinstance(selection, (list, tuple, set)):
-        matchers = [_matcher(s) for s in selection]
-        return lambda layer: any(f(layer) for f in matchers)
-    if isinstance(selection, str):
-        pattern = re.compile(selection)
-        return lambda layer: bool(pattern.fullmatch(layer.name))
-    if isinstance(selection, re.Pattern):
-        return lambda layer: bool(selection.fullmatch(layer.name))
-    if isinstance(selection, type):
-        return lambda layer: isinstance(layer, selection)
-    if callable(selection):
-        return lambda layer: bool(selection(layer))
-    raise TypeError(
-        "`layers` selects layers by name or regex (str), class, callable "
-        "`f(layer) -> bool`, or a list of these. Received: "
-        f"{selection!r} of type {type(selection).__name__}"
-    )
-
-
 def select_layers(model, layers=None):
     """The weighted layers of `model` matched by the `layers` selection.
 
@@ -358,7 +336,7 @@ def select_layers(model, layers=None):
         ValueError: the selection matches no layer; lists the names.
     """
     candidates = weighted_layers(model)
-    chosen = [layer for layer in candidates if _matcher(layers)(layer)]
+    chosen = [layer for layer in candidates if layer_matcher(layers)(layer)]
     if layers is not None and not chosen:
         names = ", ".join(layer.name for layer in candidates) or "(none)"
         raise ValueError(
