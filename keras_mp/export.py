@@ -482,16 +482,3 @@ def strip_quantization(model):
         return layer.__class__.from_config(layer.get_config())
 
     return _clone_with_weights(model, clone)
-
-
-def onnx_summary(path):
-    """Counts of Q/DQ nodes and weighted ops in an ONNX file (a dict)."""
-    onnx = optional_import("onnx")
-    graph = onnx.load(os.fspath(path)).graph
-    ops = [n.op_type for n in graph.node]
-    return {
-        "nodes": len(ops),
-        "quantize_linear": ops.count("QuantizeLinear"),
-        "dequantize_linear": ops.count("DequantizeLinear"),
-        "weighted_ops": sum(ops.count(o) for o in _WEIGHT_AXIS),
-    }

@@ -10,7 +10,6 @@ a table row in `config.py`.
 """
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 from keras_mp.config import (
@@ -285,17 +284,3 @@ def set_quantization_enabled(model, enabled):
     for name in ("train_function", "test_function", "predict_function"):
         if hasattr(model, name):
             setattr(model, name, None)
-
-
-def weight_codes(kernel, amax, axis):
-    """The INT8 codes a kernel quantizes to (NumPy), for inspection."""
-    kernel = np.asarray(kernel, np.float32)
-    if axis == "depthwise":
-        flat = kernel.reshape(kernel.shape[:-2] + (-1,))
-        return weight_codes(flat, amax, -1).reshape(kernel.shape)
-    amax = np.maximum(np.asarray(amax, np.float32), 1e-8)
-    if axis is not None:
-        shape = [1] * kernel.ndim
-        shape[axis] = -1
-        amax = amax.reshape(shape)
-    return np.clip(np.round(kernel / (amax / 127.0)), -127, 127).astype(np.int8)

@@ -125,15 +125,3 @@ def channel_amax(kernel, axis):
         a for a in range(kernel.shape.rank) if a != axis % kernel.shape.rank
     ]
     return tf.reduce_max(kernel, axis=axes)
-
-
-def quantize_to_int(x, amax, axis=None, narrow_range=False, num_bits=8):
-    """NumPy-free reference: the integer codes `q` of `fake_quant` (int32)."""
-    x = tf.cast(x, tf.float32)
-    amax = tf.maximum(tf.cast(amax, tf.float32), MIN_AMAX)
-    if axis is not None:
-        amax = _broadcast(amax, x.shape.rank, axis % x.shape.rank)
-    qmax = 2.0 ** (num_bits - 1) - 1
-    qmin = -qmax if narrow_range else -(qmax + 1)
-    q = tf.round(x / (amax / qmax))  # tf.round rounds half to even
-    return tf.cast(tf.clip_by_value(q, qmin, qmax), tf.int32)
