@@ -27,6 +27,10 @@ demo: $(STAMP) data
 test: $(STAMP) data
 	$(PY) -m pytest -m "not slow" -q -p no:cacheprovider
 
+docs: $(STAMP)
+	$(PY) -m pip install --quiet -e ".[docs]"
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict -d site
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check keras_mp tests benchmarks examples
 	$(VENV)/bin/ruff format --check keras_mp tests benchmarks examples

@@ -1,0 +1,621 @@
+"""keras_mp against the quantization tools people use today, side by side.
+
+One float32 Keras model (`reference_cnn`, Fashion-MNIST) is trained once and
+saved (`.keras`, its float ONNX, its weights as `.npz`); every peer starts
+from it, on the same split, each in its own process:
+
+1. keras_mp PTQ (best of max / percentile / entropy / mse, chosen on a
+   validation slice of the training set) and keras_mp QAT (1 epoch, Adam,
+   cosine decay from 1e-4), with a float32 control fine-tuned the same way.
+2. ONNX Runtime `quantize_static` on the float ONNX: QDQ, QInt8 weights and
+   activations, per-channel, symmetric; MinMax, Entropy, Percentile (plus
+   MinMax with `QuantizeBias=False`, to see if ORT can be TensorRT-clean).
+3. NVIDIA ModelOpt ONNX PTQ (`python -m modelopt.onnx.quantization`,
+   int8, entropy and max calibration) in its own venv.
+4. tfmot QAT on a tf_keras twin (own venv: importing tfmot switches the
+   process to legacy Keras), same weights, same fine-tune, exported with
+   tf2onnx.
+5. Keras 3 `model.quantize("int8")` on a copy, exported with Keras'
+   `model.export(format="onnx")` (and `keras_mp.export_onnx`).
+
+Then every ONNX is judged the same way (`peers/evaluate.py`): test top-1
+in ONNX Runtime with graph optimizations disabled (Q/DQ semantics) and
+with the defaults beside it, `keras_mp.check_tensorrt`, Q/DQ count and
+weighted-op coverage, ORT CPU latency / float32 at batch 1 and 64
+(interleaved), and for the QAT tools the train-step time / their own
+float32 twin. A peer that fails is a result: its error is recorded.
+
+    python benchmarks/bench_peers.py [--setup] [--quick]
+
+`--setup` creates the two side environments when missing
+(`benchmarks/.venv-modelopt`, `benchmarks/.venv-tfmot`, gitignored).
+The full run writes `benchmarks/results/peers.{json,md,png}`; `--quick`
+(a small subset, about 5-10 minutes on a busy 2-core machine) writes its
+results into the work folder only, so it never replaces the full run's.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PEERS = os.path.join(HERE, "peers")
+sys.path.insert(0, HERE)
+
+sys.path.insert(0, PEERS)
+
+import render  # noqa: E402
+from _common import RESULTS, command_line, versions  # noqa: E402
+
+DOCS_PAGE = os.path.join(os.path.dirname(HERE), "docs", "benchmarks.md")
+
+MAIN_PYTHON = sys.executable
+SETUP = {
+    "modelopt": [
+        ["pip", "install", "--upgrade", "pip"],
+        # The local CPU build first, or pip pulls a multi-GB CUDA torch.
+        ["pip", "install", "torch==2.13.0"],
+        ["pip", "install", "nvidia-modelopt[onnx]"],
+    ],
+    "tfmot": [
+        ["pip", "install", "--upgrade", "pip"],
+        [
+            "pip",
+            "install",
+            "tensorflow-cpu==2.21.0",
+            "tf-keras==2.21.0",
+            "tensorflow-model-optimization==0.8.1",
+            "tf2onnx==1.17.0",
+            "onnx",
+            "onnxruntime==1.32.0",
+        ],
+    ],
+}
+
+
+def log(msg):
+    print(f"[bench_peers {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def setup_venv(path, steps):
+    if os.path.exists(os.path.join(path, "bin", "python")):
+        log(f"{path} exists; not reinstalling")
+        return
+    log(f"creating {path}")
+    subprocess.run([sys.executable, "-m", "venv", path], check=True)
+    for step in steps:
+        cmd = [os.path.join(path, "bin", "python"), "-m"] + step
+        log("  " + " ".join(step))
+        subprocess.run(cmd, check=True)
+
+
+def _children_cpu():
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def run_step(name, cmd, workdir, timeout):
+    """Runs one helper in its own process; its output goes to <name>.log."""
+    log_path = os.path.join(workdir, f"{name}.log")
+    shown = " ".join(os.path.relpath(c) if os.sep in c else c for c in cmd)
+    log(f"{name}: {shown}")
+    start = time.perf_counter()
+    cpu_start = _children_cpu()
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="2")
+    with open(log_path, "w") as f:
+        try:
+            rc = subprocess.run(
+                cmd,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                timeout=timeout,
+                env=env,
+            ).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+        except OSError as e:  # e.g. the venv's python is missing
+            f.write(f"{type(e).__name__}: {e}\n")
+            rc = "oserror"
+    seconds = round(time.perf_counter() - start, 1)
+    status = {
+        "returncode": rc,
+        "seconds": seconds,
+        # CPU time of the helper (all threads): on a shared machine, wall
+        # time far above it / cores means the helper waited for a core.
+        "cpu_seconds": round(_children_cpu() - cpu_start, 1),
+        "log": f"{name}.log",
+    }
+    if rc != 0:
+        with open(log_path) as f:
+            lines = [
+                ln.rstrip()
+                for ln in f
+                if ln.strip() and "Warning" not in ln and "warn(" not in ln
+            ]
+        status["error"] = "\n".join(lines[-12:])
+        log(f"{name} FAILED ({rc}) after {seconds} s:\n{status['error']}")
+    else:
+        log(f"{name} done in {seconds} s")
+    return status
+
+
+def read(workdir, name):
+    path = os.path.join(workdir, f"{name}.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def main():
+    p = argparse.ArgumentParser(
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--setup", action="store_true")
+    p.add_argument(
+        "--render",
+        action="store_true",
+        help="only redraw peers.md, peers.png and docs/benchmarks.md from "
+        "benchmarks/results/peers.json (no run)",
+    )
+    p.add_argument(
+        "--workdir",
+        default=os.path.join(tempfile.gettempdir(), "keras_mp_peers"),
+        help="models, ONNX files and logs (default: %(default)s)",
+    )
+    p.add_argument(
+        "--modelopt-venv", default=os.path.join(HERE, ".venv-modelopt")
+    )
+    p.add_argument("--tfmot-venv", default=os.path.join(HERE, ".venv-tfmot"))
+    p.add_argument("--width", type=int, default=16)
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--step-timeout", type=float, default=3600)
+    a = p.parse_args()
+    if a.render:
+        with open(os.path.join(RESULTS, "peers.json")) as f:
+            results = json.load(f)
+        print(render.write_outputs(results, RESULTS, DOCS_PAGE))
+        return
+    wall = time.perf_counter()
+    if a.setup:
+        setup_venv(a.modelopt_venv, SETUP["modelopt"])
+        setup_venv(a.tfmot_venv, SETUP["tfmot"])
+    w = a.workdir
+    os.makedirs(w, exist_ok=True)
+    for f in os.listdir(w):  # a stale result must never pass for a new one
+        if f.endswith((".json", ".onnx", ".log", ".npz", ".keras")):
+            os.remove(os.path.join(w, f))
+
+    size = (
+        [
+            "--train-images",
+            "4096",
+            "--val-images",
+            "1000",
+            "--calib-images",
+            "512",
+            "--epochs",
+            "1",
+        ]
+        if a.quick
+        else ["--epochs", str(a.epochs)]
+    )
+    timing = (
+        ["--timing-rounds", "2", "--timing-repeats", "3"] if a.quick else []
+    )
+    py = os.path.join(PEERS, "{}.py")
+    steps = {}
+    wd = ["--workdir", w]
+    steps["train_float"] = run_step(
+        "train_float",
+        [MAIN_PYTHON, py.format("train_float")]
+        + wd
+        + size
+        + ["--width", str(a.width), "--seed", str(a.seed)],
+        w,
+        a.step_timeout,
+    )
+    if steps["train_float"]["returncode"] == 0:
+        plan = [
+            ("keras_mp", MAIN_PYTHON, timing + ["--seed", str(a.seed)]),
+            ("ort", MAIN_PYTHON, []),
+            ("modelopt", MAIN_PYTHON, ["--venv", a.modelopt_venv]),
+            (
+                "tfmot",
+                os.path.join(a.tfmot_venv, "bin", "python"),
+                timing + ["--seed", str(a.seed)],
+            ),
+            ("keras_quantize", MAIN_PYTHON, []),
+        ]
+        for name, python, extra in plan:
+            steps[name] = run_step(
+                name,
+                [python, py.format(f"{name}_peer")] + wd + extra,
+                w,
+                a.step_timeout,
+            )
+        candidates = collect_candidates(w)
+        cand_path = os.path.join(w, "candidates.json")
+        with open(cand_path, "w") as f:
+            json.dump(candidates, f, indent=2)
+        steps["evaluate"] = run_step(
+            "evaluate",
+            [MAIN_PYTHON, py.format("evaluate")]
+            + wd
+            + ["--candidates", cand_path]
+            + (
+                [
+                    "--rounds",
+                    "3",
+                    "--repeats-b1",
+                    "50",
+                    "--repeats-b64",
+                    "5",
+                    "--test-images",
+                    "2000",
+                ]
+                if a.quick
+                else []
+            ),
+            w,
+            a.step_timeout,
+        )
+    results = assemble(a, w, steps)
+    results["total_seconds"] = round(time.perf_counter() - wall, 1)
+    results["total_cpu_seconds"] = round(_children_cpu(), 1)
+    results["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    write_all(a, w, results)
+
+
+def collect_candidates(w):
+    """label -> ONNX file, for every ONNX a peer managed to write."""
+    c = {"float32": "float.onnx"}
+    if os.path.exists(os.path.join(w, "keras_mp_ptq.onnx")):
+        c["keras_mp PTQ"] = "keras_mp_ptq.onnx"
+    if os.path.exists(os.path.join(w, "keras_mp_qat.onnx")):
+        c["keras_mp QAT"] = "keras_mp_qat.onnx"
+    for m in ("minmax", "entropy", "percentile", "minmax_nobias"):
+        if os.path.exists(os.path.join(w, f"ort_{m}.onnx")):
+            c[f"ORT {m}"] = f"ort_{m}.onnx"
+    for m in ("entropy", "max"):
+        if os.path.exists(os.path.join(w, f"modelopt_{m}.onnx")):
+            c[f"ModelOpt {m}"] = f"modelopt_{m}.onnx"
+    if os.path.exists(os.path.join(w, "tfmot_qat.onnx")):
+        c["tfmot QAT"] = "tfmot_qat.onnx"
+    if os.path.exists(os.path.join(w, "keras_int8_native.onnx")):
+        c["Keras int8"] = "keras_int8_native.onnx"
+    return c
+
+
+def other_versions(a):
+    """Versions in the side venvs (pip metadata, no import)."""
+    out = {}
+    probe = (
+        "import importlib.metadata as m, json, sys\n"
+        "v = {}\n"
+        "for p in sys.argv[1:]:\n"
+        "    try: v[p] = m.version(p)\n"
+        "    except m.PackageNotFoundError: pass\n"
+        "print(json.dumps(v))"
+    )
+    for venv, pkgs in (
+        (
+            a.modelopt_venv,
+            ["nvidia-modelopt", "torch", "onnx", "onnxruntime-gpu"],
+        ),
+        (
+            a.tfmot_venv,
+            [
+                "tensorflow",
+                "tf-keras",
+                "tensorflow-model-optimization",
+                "tf2onnx",
+                "onnx",
+                "onnxruntime",
+            ],
+        ),
+    ):
+        python = os.path.join(venv, "bin", "python")
+        key = os.path.basename(venv)
+        try:
+            r = subprocess.run(
+                [python, "-c", probe] + pkgs, capture_output=True, text=True
+            )
+            out[key] = json.loads(r.stdout)
+        except (OSError, ValueError) as e:
+            out[key] = {"error": f"{type(e).__name__}: {e}"}
+    return out
+
+
+def assemble(a, w, steps):
+    float_ = read(w, "float") or {}
+    kmp = read(w, "keras_mp")
+    ort = read(w, "ort")
+    mo = read(w, "modelopt")
+    tfmot = read(w, "tfmot")
+    kq = read(w, "keras_quantize")
+    ev = read(w, "eval") or {}
+
+    def failed(step):
+        s = steps.get(step)
+        if s is None:
+            return "not run (float training failed)"
+        if s["returncode"] != 0:
+            return f"helper exited {s['returncode']}: {s.get('error', '')}"
+        return None
+
+    rows = []
+
+    def row(
+        label, peer, kind, keras_top1=None, step_ratio=None, error=None, note=""
+    ):
+        e = ev.get(label, {})
+        rows.append(
+            {
+                "label": label,
+                "peer": peer,
+                "kind": kind,
+                "onnx": e.get("onnx"),
+                "test_top1_ort_reference": e.get("ort_top1_reference"),
+                "test_top1_ort_optimized": e.get("ort_top1_optimized"),
+                "ort_integer_kernels": e.get("ort_integer_kernels"),
+                "test_top1_keras": keras_top1,
+                "lint": e.get("lint"),
+                "latency": e.get("latency"),
+                "train_step_ratio": step_ratio,
+                "error": error or e.get("ort_error") or e.get("lint_error"),
+                "note": note,
+            }
+        )
+
+    row(
+        "float32",
+        "float32",
+        "reference",
+        float_.get("keras_test_top1"),
+        error=failed("train_float"),
+    )
+    if kmp:
+        best = kmp["best_ptq_method"]
+        row(
+            "float32 control",
+            "keras_mp",
+            "float32 +1 epoch",
+            kmp["control"]["keras_test_top1"],
+            1.0,
+            note="float model fine-tuned like QAT (Keras 3)",
+        )
+        row(
+            "keras_mp PTQ",
+            "keras_mp",
+            "PTQ",
+            kmp["ptq"][best]["keras_test_top1"],
+            note=f"best calibrator on validation: {best}",
+        )
+        row(
+            "keras_mp QAT",
+            "keras_mp",
+            "QAT",
+            kmp["qat"]["keras_test_top1"],
+            kmp["step_time"]["ratio"],
+            note=f"from PTQ {best}",
+        )
+    else:
+        row("keras_mp PTQ", "keras_mp", "PTQ", error=failed("keras_mp"))
+        row("keras_mp QAT", "keras_mp", "QAT", error=failed("keras_mp"))
+    if ort:
+        for m, entry in ort["methods"].items():
+            label = f"ORT {m.lower()}"
+            row(
+                label,
+                "ONNX Runtime",
+                "PTQ",
+                error=entry.get("error"),
+                note=entry.get("note", ""),
+            )
+    else:
+        row("ORT", "ONNX Runtime", "PTQ", error=failed("ort"))
+    if mo and "methods" in mo:
+        for m, entry in mo["methods"].items():
+            row(f"ModelOpt {m}", "ModelOpt", "PTQ", error=entry.get("error"))
+    else:
+        row(
+            "ModelOpt",
+            "ModelOpt",
+            "PTQ",
+            error=(mo or {}).get("error") or failed("modelopt"),
+        )
+    if tfmot:
+        row(
+            "tfmot float32 control",
+            "tfmot",
+            "float32 +1 epoch",
+            tfmot["control"]["keras_test_top1"],
+            1.0,
+            note="tf_keras twin fine-tuned like QAT (no ONNX)",
+        )
+        row(
+            "tfmot QAT",
+            "tfmot",
+            "QAT",
+            tfmot["qat"]["keras_test_top1"],
+            tfmot["step_time"]["ratio"],
+            error=None if tfmot["export"]["ok"] else tfmot["export"]["error"],
+            note=f"tf_keras twin with the copied float weights: "
+            f"{tfmot['float_twin_test_top1']:.2f} (Keras 3 model: "
+            f"{float_.get('keras_test_top1', float('nan')):.2f}); tfmot QAT "
+            f"model before its fine-tune: "
+            f"{tfmot['qat_before_finetune_test_top1']:.2f} (ranges start "
+            f"uncalibrated); exported with {tfmot['export'].get('how')}",
+        )
+    else:
+        row("tfmot QAT", "tfmot", "QAT", error=failed("tfmot"))
+    if kq and kq.get("quantize", {}).get("ok"):
+        exports = kq.get("exports", {})
+        native = exports.get('model.export(format="onnx")', {})
+        left = kq["quantize"]["layers_left_float"]
+        row(
+            "Keras int8",
+            "Keras quantize",
+            "PTQ",
+            kq["keras_test_top1"],
+            error=None if native.get("ok") else native.get("error"),
+            note=f"quantized {', '.join(kq['quantize']['layers_quantized'])};"
+            f" left float: {', '.join(left)}",
+        )
+        via = exports.get("keras_mp.export_onnx", {})
+        if via.get("ok"):
+            rows[-1]["note"] += (
+                "; keras_mp.export_onnx of the same model: TensorRT lint "
+                + ("PASS" if via["tensorrt_lint_ok"] else "FAIL")
+                + f", {via['num_qdq']} Q/DQ nodes"
+            )
+        elif via:
+            rows[-1]["note"] += (
+                f"; keras_mp.export_onnx of the same model failed: "
+                f"{via.get('error')}"
+            )
+    else:
+        row(
+            "Keras int8",
+            "Keras quantize",
+            "PTQ",
+            error=((kq or {}).get("quantize") or {}).get("error")
+            or failed("keras_quantize"),
+        )
+
+    results = {
+        "config": {
+            "quick": a.quick,
+            "width": a.width,
+            "float_epochs": float_.get("epochs"),
+            "train_images": float_.get("train_images"),
+            "val_images": float_.get("val_images"),
+            "calib_images": float_.get("calib_images"),
+            "test_images": ev.get("_test_images"),
+            "seed": a.seed,
+            "finetune": (kmp or {}).get("qat", {}).get("optimizer"),
+            "latency_method": ev.get("_latency_method"),
+            "workdir": w,
+        },
+        "float32": float_,
+        "rows": rows,
+        "keras_mp": kmp,
+        "onnxruntime": ort,
+        "modelopt": mo,
+        "tfmot": tfmot,
+        "keras_quantize": kq,
+        "steps": steps,
+        "side_venvs": other_versions(a),
+    }
+    results["goals"] = goals(rows)
+    return results
+
+
+def _by(rows, label):
+    return next((r for r in rows if r["label"] == label), None)
+
+
+def goals(rows):
+    """Issue 7's goals, as measured (pass or fail, never adjusted)."""
+    out = {}
+    qat = _by(rows, "keras_mp QAT")
+    qat_top1 = qat and qat["test_top1_ort_reference"]
+    peers = [
+        r
+        for r in rows
+        if r["peer"] not in ("keras_mp", "float32")
+        and r["test_top1_ort_reference"] is not None
+    ]
+    # tfmot's float control has no ONNX; compare Keras figures for it.
+    if qat_top1 is not None and peers:
+        best_peer = max(peers, key=lambda r: r["test_top1_ort_reference"])
+        out["keras_mp_qat_top1_at_least_every_peer"] = {
+            "keras_mp_qat": qat_top1,
+            "best_peer": best_peer["label"],
+            "best_peer_top1": best_peer["test_top1_ort_reference"],
+            "pass": qat_top1 >= best_peer["test_top1_ort_reference"],
+        }
+    control = _by(rows, "float32 control")
+    if qat and control and qat["test_top1_keras"] is not None:
+        out["keras_mp_qat_vs_its_float32_control_points"] = round(
+            qat["test_top1_keras"] - control["test_top1_keras"], 2
+        )
+    tf_q, tf_c = _by(rows, "tfmot QAT"), _by(rows, "tfmot float32 control")
+    if tf_q and tf_c and tf_q["test_top1_keras"] is not None:
+        out["tfmot_qat_vs_its_float32_control_points"] = round(
+            tf_q["test_top1_keras"] - tf_c["test_top1_keras"], 2
+        )
+    kmp_lints = [
+        r["lint"]["ok"]
+        for r in rows
+        if r["peer"] == "keras_mp"
+        and r["kind"] != "float32 +1 epoch"
+        and r["lint"]
+    ]
+    others = {
+        r["label"]: r["lint"]["ok"]
+        for r in rows
+        if r["label"] in ("tfmot QAT", "Keras int8") and r["lint"]
+    }
+    out["every_keras_mp_onnx_lint_clean"] = {
+        "measured": kmp_lints,
+        "pass": bool(kmp_lints) and all(kmp_lints),
+    }
+    out["tfmot_and_keras_onnx_not_lint_clean"] = {
+        "measured": others,
+        "pass": bool(others) and not any(others.values()),
+    }
+    mo = [r for r in rows if r["peer"] == "ModelOpt" and r["lint"]]
+    kq = [
+        r
+        for r in rows
+        if r["label"] in ("keras_mp PTQ", "keras_mp QAT") and r["lint"]
+    ]
+    if mo and kq:
+        mo_qdq = min(r["lint"]["num_qdq"] for r in mo)
+        covered = all(
+            r["lint"]["weighted_ops_quantized"] == r["lint"]["weighted_ops"]
+            for r in kq
+        )
+        most = max(r["lint"]["num_qdq"] for r in kq)
+        out[
+            "keras_mp_covers_every_weighted_op_with_no_more_qdq_than_modelopt"
+        ] = {
+            "keras_mp_qdq": most,
+            "modelopt_qdq": mo_qdq,
+            "keras_mp_weighted_covered": [
+                f"{r['lint']['weighted_ops_quantized']}/"
+                f"{r['lint']['weighted_ops']}"
+                for r in kq
+            ],
+            "modelopt_weighted_covered": [
+                f"{r['lint']['weighted_ops_quantized']}/"
+                f"{r['lint']['weighted_ops']}"
+                for r in mo
+            ],
+            "pass": covered and most <= mo_qdq,
+        }
+    return out
+
+
+def write_all(a, w, results):
+    results["command"] = command_line()
+    results["versions"] = versions()
+    out_dir = w if a.quick else RESULTS
+    docs = None if a.quick else DOCS_PAGE
+    print(render.write_outputs(results, out_dir, docs))
+    log(f"results in {out_dir}/peers.{{json,md,png}}; models and logs in {w}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""Peer benchmark (main venv): keras_mp PTQ and QAT from the shared float model.
+
+- PTQ: `quantize_model` + `calibrate` with each calibrator (max,
+  percentile, entropy, mse) on the shared calibration images; the best is
+  chosen by top-1 on the validation slice (never on the test set).
+- QAT: that PTQ model fine-tuned `--finetune-epochs` with Adam and a cosine
+  decay from `--lr`, on the shared fixed fine-tune order; the float32
+  control is the float model fine-tuned identically without quantization.
+- Step time: QAT `train_on_batch` / float32 control `train_on_batch`,
+  interleaved rounds on one batch.
+- Exports `keras_mp_ptq.onnx` and `keras_mp_qat.onnx` with
+  `keras_mp.export_onnx` (parity checked on validation images).
+
+Writes `keras_mp.json` in the work folder.
+"""
+
+import argparse
+import os
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import keras  # noqa: E402
+from _peer_common import (  # noqa: E402
+    BATCH,
+    cosine_lr_note,
+    finetune_arrays,
+    interleaved_step_times,
+    load_data,
+    write_json,
+)
+
+import keras_mp  # noqa: E402
+from keras_mp.reference import compile_classifier  # noqa: E402
+
+METHODS = ("max", "percentile", "entropy", "mse")
+
+
+def top1(model, x, y):
+    _, acc = model.evaluate(x, y, batch_size=1000, verbose=0)
+    return round(100 * float(acc), 2)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--workdir", required=True)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timing-rounds", type=int, default=5)
+    p.add_argument("--timing-repeats", type=int, default=7)
+    a = p.parse_args()
+    d = load_data(a.workdir)
+    w = a.workdir
+    fmodel = keras.models.load_model(os.path.join(w, "float.keras"))
+    compile_classifier(fmodel)
+    out = {"float_keras_test_top1": top1(fmodel, d["x_test"], d["y_test"])}
+
+    ptq, qmodels = {}, {}
+    for method in METHODS:
+        start = time.perf_counter()
+        q = keras_mp.quantize_model(fmodel)
+        keras_mp.calibrate(q, d["x_calib"], method=method, verbose=0)
+        seconds = time.perf_counter() - start
+        compile_classifier(q)
+        ptq[method] = {
+            "val_top1": top1(q, d["x_val"], d["y_val"]),
+            "keras_test_top1": top1(q, d["x_test"], d["y_test"]),
+            "quantize_and_calibrate_seconds": round(seconds, 2),
+        }
+        qmodels[method] = q
+        print(f"PTQ {method}: {ptq[method]}")
+    best = max(METHODS, key=lambda m: ptq[m]["val_top1"])  # ties: first
+    out["ptq"] = ptq
+    out["best_ptq_method"] = best
+    out["best_ptq_selected_by"] = "validation top-1"
+    parity = keras_mp.export_onnx(
+        qmodels[best],
+        os.path.join(w, "keras_mp_ptq.onnx"),
+        verify_data=d["x_val"][:1000],
+        overwrite=True,
+    )
+    out["ptq_parity"] = str(parity)
+
+    xf, yf = finetune_arrays(d)
+    steps = -(-len(xf) // BATCH)
+
+    def optimizer():
+        return keras.optimizers.Adam(
+            keras.optimizers.schedules.CosineDecay(a.lr, decay_steps=steps)
+        )
+
+    keras.utils.set_random_seed(a.seed + 1)
+    control = keras.models.clone_model(fmodel)
+    control.set_weights(fmodel.get_weights())
+    compile_classifier(control, optimizer=optimizer())
+    start = time.perf_counter()
+    control.fit(xf, yf, batch_size=BATCH, epochs=1, shuffle=False, verbose=2)
+    control_s = time.perf_counter() - start
+
+    keras.utils.set_random_seed(a.seed + 1)
+    qat = qmodels[best]
+    compile_classifier(qat, optimizer=optimizer())
+    start = time.perf_counter()
+    qat.fit(xf, yf, batch_size=BATCH, epochs=1, shuffle=False, verbose=2)
+    qat_s = time.perf_counter() - start
+    parity = keras_mp.export_onnx(
+        qat,
+        os.path.join(w, "keras_mp_qat.onnx"),
+        verify_data=d["x_val"][:1000],
+        overwrite=True,
+    )
+    out["qat_parity"] = str(parity)
+    out["control"] = {
+        "keras_test_top1": top1(control, d["x_test"], d["y_test"]),
+        "finetune_seconds": round(control_s, 1),
+    }
+    out["qat"] = {
+        "start": best,
+        "keras_test_top1": top1(qat, d["x_test"], d["y_test"]),
+        "finetune_seconds": round(qat_s, 1),
+        "optimizer": cosine_lr_note(a.lr, steps),
+    }
+
+    xb, yb = d["x_train"][:BATCH], d["y_train"][:BATCH]
+    median, per_round = interleaved_step_times(
+        {
+            "float32": lambda: control.train_on_batch(xb, yb),
+            "qat": lambda: qat.train_on_batch(xb, yb),
+        },
+        a.timing_rounds,
+        a.timing_repeats,
+    )
+    out["step_time"] = {
+        "float32_seconds": round(median["float32"], 4),
+        "qat_seconds": round(median["qat"], 4),
+        "ratio": round(median["qat"] / median["float32"], 3),
+        "per_round_ratios": [round(r, 3) for r in per_round],
+        "method": f"train_on_batch, batch {BATCH}, median of "
+        f"{a.timing_repeats} calls x {a.timing_rounds} interleaved rounds",
+    }
+    write_json(w, "keras_mp", out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""Peer benchmark: NVIDIA ModelOpt ONNX PTQ, through its own command line.
+
+ModelOpt pulls PyTorch, so it lives in its own venv
+(`benchmarks/.venv-modelopt`: `pip install torch==2.13.0` first, for the
+local CPU build, then `pip install "nvidia-modelopt[onnx]"`). This helper
+runs under any Python with NumPy: it writes the shared calibration images
+as `calib_modelopt.npz` (keyed by the ONNX input name) and runs, per
+calibration method,
+
+    <venv>/bin/python -m modelopt.onnx.quantization --onnx_path=float.onnx
+        --quantize_mode=int8 --calibration_data_path=calib_modelopt.npz
+        --calibration_method=<entropy|max> --calibration_eps cpu
+        --high_precision_dtype fp32 --output_path=modelopt_<method>.onnx
+
+`--calibration_eps cpu`: no GPU here. `--high_precision_dtype fp32`: by
+default ModelOpt converts the rest of an fp32 graph to fp16; every other
+peer keeps float32 there, so this does too. A failure (no venv, install or
+run error) is recorded with its error text.
+
+Writes `modelopt.json` in the work folder.
+"""
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import numpy as np  # noqa: E402
+from _peer_common import load_data, write_json  # noqa: E402
+
+METHODS = ("entropy", "max")
+VERSION_PROBE = """
+import importlib.metadata as m
+for p in ("nvidia-modelopt", "torch", "onnx", "onnxruntime-gpu", "onnxruntime"):
+    try:
+        print(p, m.version(p), end="; ")
+    except m.PackageNotFoundError:
+        pass
+"""
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--workdir", required=True)
+    p.add_argument("--venv", required=True)
+    p.add_argument("--input-name", default="input_0")
+    p.add_argument("--timeout", type=float, default=900)
+    a = p.parse_args()
+    w = a.workdir
+    python = os.path.join(a.venv, "bin", "python")
+    out = {"venv": a.venv}
+    if not os.path.exists(python):
+        out["error"] = (
+            f"No ModelOpt environment at {a.venv}. Create it with "
+            "`python benchmarks/bench_peers.py --setup`."
+        )
+        write_json(w, "modelopt", out)
+        return
+    probe = subprocess.run(
+        [python, "-c", VERSION_PROBE], capture_output=True, text=True
+    )
+    out["versions"] = (probe.stdout or probe.stderr).strip()[-500:]
+    calib = os.path.join(w, "calib_modelopt.npz")
+    np.savez(calib, **{a.input_name: load_data(w)["x_calib"]})
+    methods = {}
+    for method in METHODS:
+        dst = os.path.join(w, f"modelopt_{method}.onnx")
+        if os.path.exists(dst):
+            os.remove(dst)
+        cmd = [
+            python,
+            "-m",
+            "modelopt.onnx.quantization",
+            f"--onnx_path={os.path.join(w, 'float.onnx')}",
+            "--quantize_mode=int8",
+            f"--calibration_data_path={calib}",
+            f"--calibration_method={method}",
+            "--calibration_eps",
+            "cpu",
+            "--high_precision_dtype",
+            "fp32",
+            f"--output_path={dst}",
+        ]
+        start = time.perf_counter()
+        try:
+            run = subprocess.run(
+                cmd, capture_output=True, text=True, timeout=a.timeout
+            )
+            rc, log = run.returncode, run.stdout + run.stderr
+        except subprocess.TimeoutExpired as e:
+            rc, log = "timeout", f"timed out after {a.timeout} s: {e}"
+        with open(os.path.join(w, f"modelopt_{method}.log"), "w") as f:
+            f.write(log)
+        entry = {
+            "command": "python "
+            + " ".join(c.replace(w + os.sep, "") for c in cmd[1:]),
+            "seconds": round(time.perf_counter() - start, 1),
+        }
+        if rc == 0 and os.path.exists(dst):
+            entry.update(ok=True, onnx=os.path.basename(dst))
+            lines = [ln for ln in log.splitlines() if "quantized nodes" in ln]
+            if lines:
+                entry["modelopt_says"] = lines[-1].split(" - ")[-1]
+        else:
+            tail = [ln for ln in log.strip().splitlines() if ln.strip()][-15:]
+            entry.update(ok=False, returncode=rc, error="\n".join(tail))
+        methods[method] = entry
+        print(method, entry)
+    out["methods"] = methods
+    write_json(w, "modelopt", out)
+
+
+if __name__ == "__main__":
+    main()

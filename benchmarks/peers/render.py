@@ -1,0 +1,399 @@
+"""Rendering of the peer benchmark's results: Markdown table, plot, docs page.
+
+Imported by `benchmarks/bench_peers.py` (main venv); works from the results
+dict alone, so `bench_peers.py --render` can redraw from `peers.json`.
+"""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from _common import markdown_table  # noqa: E402
+
+
+def _fmt(v, spec="{:.2f}"):
+    return "n/a" if v is None else spec.format(v)
+
+
+def _kernels(kernels):
+    if not kernels:
+        return ""
+    return f" ({sum(kernels.values())} int8 kernels)"
+
+
+def markdown(results):
+    rows = results["rows"]
+    table = []
+    errors = []
+    for r in rows:
+        lint, lat = r["lint"], r["latency"] or {}
+        if lint:
+            verdict = (
+                "PASS"
+                if lint["ok"]
+                else (
+                    "FAIL: "
+                    + ", ".join(
+                        f"{k} x{v}" for k, v in lint["violation_rules"].items()
+                    )
+                )
+            )
+            qdq = str(lint["num_qdq"])
+            covered = f"{lint['weighted_ops_quantized']}/{lint['weighted_ops']}"
+            if lint["qoperator_ops"]:
+                covered += (
+                    " (+"
+                    + ", ".join(
+                        f"{v} {k}" for k, v in lint["qoperator_ops"].items()
+                    )
+                    + ")"
+                )
+        else:
+            verdict, qdq, covered = "n/a", "n/a", "n/a"
+        if r["error"]:
+            errors.append((r["label"], r["error"]))
+        table.append(
+            (
+                r["label"] + (" (failed)" if r["error"] and not lint else ""),
+                _fmt(r["test_top1_ort_reference"]),
+                _fmt(r["test_top1_ort_optimized"])
+                + _kernels(r.get("ort_integer_kernels")),
+                _fmt(r["test_top1_keras"]),
+                verdict,
+                qdq,
+                covered,
+                _fmt(lat.get("ratio_batch1"), "{:.2f}x"),
+                _fmt(lat.get("ratio_batch64"), "{:.2f}x"),
+                _fmt(r["train_step_ratio"], "{:.2f}x"),
+            )
+        )
+    header = (
+        "model",
+        "top-1 % (ORT, no opt.)",
+        "top-1 % (ORT default opt.)",
+        "top-1 % (Keras)",
+        "TensorRT lint",
+        "Q/DQ nodes",
+        "weighted ops with Q/DQ inputs",
+        "ORT latency / fp32, batch 1",
+        "batch 64",
+        "train step / fp32",
+    )
+    c = results["config"]
+    float_ = results["float32"]
+    ev = [r for r in rows if r["label"] == "float32"][0]
+    lat = ev["latency"] or {}
+    lines = [
+        f"Reference CNN (`keras_mp.reference.reference_cnn`, width "
+        f"{c['width']}, {float_.get('parameters', '?')} parameters), trained "
+        f"once in float32 for {c['float_epochs']} epoch(s) on "
+        f"{c['train_images']} Fashion-MNIST training images; "
+        f"{c['val_images']} held-out training images are the validation "
+        f"slice (keras_mp's calibrator choice); {c['calib_images']} training "
+        "images calibrate every PTQ tool; top-1 on "
+        f"{c['test_images'] or '?'} test images. "
+        f"QAT and controls: 1 epoch, {c['finetune']}, same batches in the "
+        "same order for every tool.",
+        "",
+        markdown_table(header, table),
+        "",
+        "- top-1 (ORT, no opt.): ONNX Runtime with graph optimizations "
+        "disabled, i.e. the Q/DQ graph's own semantics. With its default "
+        "optimizations ORT turns a DequantizeLinear -> Conv/Gemm -> "
+        "QuantizeLinear pattern into its own integer kernels (QLinearConv, "
+        "QGemm; counted in brackets), which saturate on CPUs without VNNI "
+        "(DESIGN.md); graphs with Q/DQ only on the inputs of weighted ops "
+        "keep float Conv/Gemm there. Keras: the tool's own model in "
+        "Keras 3 / tf_keras.",
+        "- TensorRT lint: `keras_mp.check_tensorrt`; the rules it broke, "
+        "with counts. Weighted ops: Conv/ConvTranspose/MatMul/Gemm with "
+        "both inputs behind a DequantizeLinear (QOperator ops are not "
+        "counted as weighted).",
+        f"- Latency: {c['latency_method']}. float32: "
+        f"{_fmt(lat.get('ms_batch1'), '{:.3f}')} ms at batch 1, "
+        f"{_fmt(lat.get('ms_batch64'), '{:.2f}')} ms at batch 64. "
+        "CPU latency is information only: TensorRT, not ORT's CPU provider, "
+        "is the target.",
+        "- Train step: `train_on_batch` (batch 128) of the QAT model / of "
+        "its own float32 twin (Keras 3 for keras_mp, tf_keras for tfmot), "
+        "interleaved rounds in one process.",
+    ]
+    notes = [(r["label"], r["note"]) for r in rows if r["note"]]
+    if notes:
+        lines += ["", "Notes:", ""] + [f"- {k}: {v}" for k, v in notes]
+    g = results["goals"]
+    goal_rows = []
+    for name, v in g.items():
+        if isinstance(v, dict):
+            shown = {k: x for k, x in v.items() if k != "pass"}
+            goal_rows.append(
+                (name, json.dumps(shown), "PASS" if v["pass"] else "FAIL")
+            )
+        else:
+            goal_rows.append((name, f"{v:+.2f} points", ""))
+    lines += [
+        "",
+        "Goals (issue 7), as measured:",
+        "",
+        markdown_table(("goal", "measured", "result"), goal_rows),
+    ]
+    if errors:
+        lines += ["", "Failures and errors, verbatim (tail):", ""]
+        for label, e in errors:
+            lines += [
+                f"- {label}:",
+                "",
+                "  ```",
+                *["  " + ln for ln in str(e).splitlines()[-8:]],
+                "  ```",
+            ]
+    return "\n".join(lines)
+
+
+def plot(results, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot")
+        return None
+    from keras_mp.io import atomic_path
+
+    rows = [
+        r
+        for r in results["rows"]
+        if r["test_top1_ort_reference"] is not None
+        or r["test_top1_keras"] is not None
+    ]
+    labels = [
+        r["label"].replace(" (keras_mp.export_onnx)", "\n(kmp export)")
+        for r in rows
+    ]
+    acc = [
+        r["test_top1_ort_reference"]
+        if r["test_top1_ort_reference"] is not None
+        else r["test_top1_keras"]
+        for r in rows
+    ]
+    colors = [
+        "tab:gray"
+        if not r["lint"]
+        else (
+            "tab:green"
+            if r["lint"]["ok"] and r["lint"]["num_qdq"]
+            else "tab:blue"
+            if r["lint"]["ok"]
+            else "tab:red"
+        )
+        for r in rows
+    ]
+    lat1 = [(r["latency"] or {}).get("ratio_batch1") or 0 for r in rows]
+    lat64 = [(r["latency"] or {}).get("ratio_batch64") or 0 for r in rows]
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(11, 7.5), sharex=True)
+    bars = ax1.bar(range(len(rows)), acc, color=colors)
+    for b, v in zip(bars, acc):
+        ax1.text(
+            b.get_x() + b.get_width() / 2,
+            v + 0.1,
+            f"{v:.2f}",
+            ha="center",
+            va="bottom",
+            fontsize=7,
+        )
+    lo = min(acc)
+    ax1.set_ylim(max(0, lo - 2), min(100, max(acc) + 3))
+    ax1.set_ylabel("test top-1 %")
+    from matplotlib.patches import Patch
+
+    ax1.legend(
+        handles=[
+            Patch(color="tab:blue", label="float32 (ONNX)"),
+            Patch(color="tab:gray", label="float32 control (Keras, no ONNX)"),
+            Patch(color="tab:green", label="INT8, TensorRT lint PASS"),
+            Patch(color="tab:red", label="INT8, TensorRT lint FAIL"),
+        ],
+        fontsize=8,
+        loc="upper left",
+        ncol=2,
+    )
+    ax1.set_title(
+        "Fashion-MNIST test top-1 (ONNX Runtime, graph optimizations off)",
+        fontsize=10,
+    )
+    x = range(len(rows))
+    ax2.bar([i - 0.2 for i in x], lat1, width=0.4, label="batch 1")
+    ax2.bar([i + 0.2 for i in x], lat64, width=0.4, label="batch 64")
+    ax2.axhline(1.0, color="k", lw=0.8)
+    ax2.set_ylabel("ORT CPU latency / float32")
+    ax2.legend(fontsize=8)
+    ax2.set_xticks(list(x))
+    ax2.set_xticklabels(labels, rotation=35, ha="right", fontsize=8)
+    fig.tight_layout()
+    with atomic_path(path, suffix=".png") as tmp:
+        fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _versions_lines(results):
+    main = ", ".join(f"{k} {v}" for k, v in results["versions"].items())
+    lines = [f"- main venv: {main}"]
+    for venv, pkgs in results.get("side_venvs", {}).items():
+        shown = ", ".join(f"{k} {v}" for k, v in pkgs.items())
+        lines.append(f"- `benchmarks/{venv}`: {shown}")
+    return lines
+
+
+def results_markdown(results):
+    """`peers.md`: command, versions, run time, then the tables."""
+    return "\n".join(
+        [
+            f"Command: `{results['command']}`",
+            "",
+            "Versions:",
+            "",
+            *_versions_lines(results),
+            "",
+            f"Total run time: {results['total_seconds']:.0f} s.",
+            "",
+            markdown(results),
+            "",
+        ]
+    )
+
+
+def write_outputs(results, out_dir, docs_path=None):
+    """Writes peers.json, peers.md, peers.png (and the docs page) atomically."""
+    from keras_mp.io import atomic_write_text
+
+    os.makedirs(out_dir, exist_ok=True)
+    text = results_markdown(results)
+    atomic_write_text(
+        os.path.join(out_dir, "peers.json"), json.dumps(results, indent=2)
+    )
+    atomic_write_text(os.path.join(out_dir, "peers.md"), text)
+    plot(results, os.path.join(out_dir, "peers.png"))
+    if docs_path:
+        atomic_write_text(docs_path, docs_page(results))
+    return text
+
+
+HOW_RUN = """\
+- **keras_mp** (main venv, Keras 3): `keras_mp.quantize_model` +
+  `keras_mp.calibrate` with each calibrator (max, percentile, entropy,
+  mse); the PTQ row is the one with the best top-1 on the validation slice
+  (the test set never picks anything). QAT fine-tunes that model; the
+  float32 control fine-tunes the float model the same way. Exported with
+  `keras_mp.export_onnx` (ONNX Runtime parity checked).
+- **ONNX Runtime** `quantize_static` on the float ONNX, after ORT's
+  `quant_pre_process` (with `skip_symbolic_shape=True`): `QuantFormat.QDQ`,
+  `QuantType.QInt8` for weights and activations, `per_channel=True`,
+  `extra_options={"ActivationSymmetric": True, "WeightSymmetric": True}`,
+  the rest at its defaults; MinMax, Entropy and Percentile calibration.
+  `ORT minmax_nobias` is one extra variant, not a default: MinMax plus
+  `QuantizeBias=False`.
+- **NVIDIA ModelOpt** in its own venv (it pulls PyTorch):
+  `python -m modelopt.onnx.quantization --onnx_path=float.onnx
+  --quantize_mode=int8 --calibration_data_path=calib.npz
+  --calibration_method=entropy|max --calibration_eps cpu
+  --high_precision_dtype fp32 --output_path=...` (`cpu`: no GPU here;
+  `fp32`: by default ModelOpt casts the rest of an fp32 graph to fp16,
+  every other row keeps float32 there).
+- **tfmot** in its own venv (tfmot takes only tf_keras models, and
+  importing it switches the process to legacy Keras): a tf_keras twin of
+  the same architecture gets the float weights layer by layer (its test
+  top-1 is checked against the Keras 3 model's), then
+  `tfmot.quantization.keras.quantize_model` and the same fine-tune; its
+  own float twin, fine-tuned the same way, is its control. Exported with
+  `tf2onnx.convert.from_keras`.
+- **Keras 3** `model.quantize("int8")` on a copy of the float model (no
+  calibration data), exported with Keras' own
+  `model.export(format="onnx")`; `keras_mp.export_onnx` of the same model
+  is noted beside it.
+"""
+
+OTHER_BENCHMARKS = [
+    (
+        "INT8 PTQ (four calibrators) and QAT vs a float32 control",
+        "python benchmarks/bench_quantization.py",
+        "benchmarks/results/quantization.md",
+    ),
+    (
+        "Mixed precision: float32 vs bfloat16 vs float16 step time",
+        "python benchmarks/bench_mixed_precision.py",
+        "benchmarks/results/mixed_precision.md",
+    ),
+    (
+        "2:4 structured sparsity",
+        "python benchmarks/bench_sparsity.py",
+        "benchmarks/results/sparsity.md",
+    ),
+    (
+        "MuPPET precision switching",
+        "python benchmarks/bench_muppet.py",
+        "benchmarks/results/muppet.md",
+    ),
+]
+
+
+def docs_page(results):
+    """`docs/benchmarks.md`, regenerated by every full run."""
+    c = results["config"]
+    other = markdown_table(
+        ("benchmark", "command", "results"),
+        [(a, f"`{b}`", f"`{r}`") for a, b, r in OTHER_BENCHMARKS],
+    )
+    return "\n".join(
+        [
+            "# Benchmarks",
+            "",
+            "<!-- Generated by `python benchmarks/bench_peers.py` from its "
+            "results; edit benchmarks/peers/render.py, not this file. -->",
+            "",
+            "## keras_mp against the tools people use today",
+            "",
+            "Measured side by side in one run, each tool in its own "
+            "process, all starting from the same float32 Keras model, on "
+            "this project's machine (2 shared CPU cores, no GPU). The plot "
+            "of this table is `benchmarks/results/peers.png`; every number "
+            "is in `benchmarks/results/peers.json`.",
+            "",
+            markdown(results),
+            "",
+            "### How each tool was run",
+            "",
+            HOW_RUN,
+            "### Reproduce",
+            "",
+            "```bash",
+            "python benchmarks/bench_peers.py --setup  # once: the two side "
+            "venvs",
+            f"{results['command']}  # this run: "
+            f"{results['total_seconds'] / 60:.0f} min",
+            "python benchmarks/bench_peers.py --quick  # small subset; "
+            "writes only into the work folder",
+            "```",
+            "",
+            f"Models, ONNX files and per-tool logs of this run: "
+            f"`{c['workdir']}` (`--workdir`). `--setup` creates "
+            "`benchmarks/.venv-modelopt` (`pip install torch==2.13.0`, the "
+            "local CPU build, first; then `pip install "
+            '"nvidia-modelopt[onnx]"`) and `benchmarks/.venv-tfmot` '
+            "(`tensorflow-cpu==2.21.0 tf-keras==2.21.0 "
+            "tensorflow-model-optimization==0.8.1 tf2onnx==1.17.0 onnx "
+            "onnxruntime==1.32.0`); both are gitignored.",
+            "",
+            "Package versions of this run:",
+            "",
+            *_versions_lines(results),
+            "",
+            "## Other benchmarks",
+            "",
+            other,
+            "",
+        ]
+    )

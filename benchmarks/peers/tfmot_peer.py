@@ -1,0 +1,214 @@
+"""Peer benchmark (tfmot venv, its own process): tfmot QAT on a tf_keras twin.
+
+tfmot 0.8.1 accepts only tf_keras (Keras 2) models, and importing it
+switches the process to legacy Keras, so this runs in
+`benchmarks/.venv-tfmot` (tensorflow-cpu, tf-keras, tensorflow-model-
+optimization, tf2onnx, onnx), never in the main venv.
+
+- Builds a tf_keras twin of `keras_mp.reference.reference_cnn` (same
+  layers, names, shapes) and copies the shared float weights into it layer
+  by layer from `float_weights.npz`; checks its test top-1 against the
+  Keras 3 model's.
+- `tfmot.quantization.keras.quantize_model`, then fine-tunes
+  `--finetune-epochs` with Adam and cosine decay from `--lr` on the shared
+  fine-tune order; the control is the float twin fine-tuned identically.
+- Step time: QAT `train_on_batch` / float twin `train_on_batch`,
+  interleaved rounds.
+- Exports `tfmot_qat.onnx` with tf2onnx (`from_keras`, falling back to
+  `from_function` on a traced `tf.function`).
+
+Writes `tfmot.json` in the work folder.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+os.environ["TF_USE_LEGACY_KERAS"] = "1"
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+import tensorflow_model_optimization as tfmot  # noqa: E402
+import tf_keras  # noqa: E402
+from _peer_common import (  # noqa: E402
+    BATCH,
+    cosine_lr_note,
+    finetune_arrays,
+    interleaved_step_times,
+    load_data,
+    write_json,
+)
+
+
+def twin_cnn(width, input_shape=(28, 28, 1), num_classes=10):
+    """tf_keras copy of keras_mp.reference.reference_cnn (same names)."""
+    L = tf_keras.layers
+    inputs = tf_keras.Input(input_shape, name="image")
+    x = L.Conv2D(width, 3, padding="same", use_bias=False, name="stem")(inputs)
+    x = L.BatchNormalization(momentum=0.9, name="stem_bn")(x)
+    x = L.ReLU(name="stem_relu")(x)
+    y = L.Conv2D(width, 3, padding="same", use_bias=False, name="res_a")(x)
+    y = L.BatchNormalization(momentum=0.9, name="res_a_bn")(y)
+    y = L.ReLU(name="res_a_relu")(y)
+    y = L.Conv2D(width, 3, padding="same", use_bias=False, name="res_b")(y)
+    y = L.BatchNormalization(momentum=0.9, name="res_b_bn")(y)
+    x = L.Add(name="res_add")([x, y])
+    x = L.ReLU(name="res_relu")(x)
+    x = L.MaxPooling2D(name="pool1")(x)
+    x = L.DepthwiseConv2D(3, padding="same", use_bias=False, name="dw")(x)
+    x = L.BatchNormalization(momentum=0.9, name="dw_bn")(x)
+    x = L.ReLU(name="dw_relu")(x)
+    x = L.Conv2D(2 * width, 1, use_bias=False, name="pw")(x)
+    x = L.BatchNormalization(momentum=0.9, name="pw_bn")(x)
+    x = L.ReLU(name="pw_relu")(x)
+    x = L.MaxPooling2D(name="pool2")(x)
+    x = L.Conv2D(2 * width, 3, padding="same", name="conv3")(x)
+    x = L.ReLU(name="conv3_relu")(x)
+    x = L.GlobalAveragePooling2D(name="gap")(x)
+    x = L.Dense(2 * width, activation="relu", name="fc")(x)
+    outputs = L.Dense(num_classes, name="logits")(x)
+    return tf_keras.Model(inputs, outputs, name="reference_cnn_tf_keras")
+
+
+def load_weights(model, path):
+    weights = np.load(path)
+    copied = 0
+    for layer in model.layers:
+        n = len(layer.get_weights())
+        if not n:
+            continue
+        layer.set_weights([weights[f"{layer.name}/{i}"] for i in range(n)])
+        copied += 1
+    return copied
+
+
+def compile_model(model, optimizer=None):
+    model.compile(
+        optimizer=optimizer or tf_keras.optimizers.Adam(1e-3),
+        loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
+def top1(model, x, y):
+    _, acc = model.evaluate(x, y, batch_size=1000, verbose=0)
+    return round(100 * float(acc), 2)
+
+
+def export(model, path):
+    import tf2onnx
+
+    spec = [tf.TensorSpec((None, 28, 28, 1), tf.float32, name="input_0")]
+    try:
+        tf2onnx.convert.from_keras(
+            model, input_signature=spec, opset=17, output_path=path
+        )
+        return "tf2onnx.convert.from_keras", None
+    except Exception as e:  # tf2onnx raises bare exceptions
+        first = f"from_keras: {type(e).__name__}: {e}"
+    try:
+
+        @tf.function(input_signature=spec)
+        def serve(x):
+            return model(x, training=False)
+
+        tf2onnx.convert.from_function(
+            serve, input_signature=spec, opset=17, output_path=path
+        )
+        return "tf2onnx.convert.from_function", first
+    except Exception as e:
+        raise RuntimeError(
+            f"{first}; from_function: {type(e).__name__}: {e}"
+        ) from e
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--workdir", required=True)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timing-rounds", type=int, default=5)
+    p.add_argument("--timing-repeats", type=int, default=7)
+    a = p.parse_args()
+    w = a.workdir
+    d = load_data(w)
+    with open(os.path.join(w, "float.json")) as f:
+        width = json.load(f)["width"]
+    out = {"keras_backend": tf_keras.__name__ + " " + tf_keras.__version__}
+
+    tf_keras.utils.set_random_seed(a.seed)
+    fmodel = compile_model(twin_cnn(width))
+    out["layers_copied"] = load_weights(
+        fmodel, os.path.join(w, "float_weights.npz")
+    )
+    out["float_twin_test_top1"] = top1(fmodel, d["x_test"], d["y_test"])
+    print(f"tf_keras float twin test top-1: {out['float_twin_test_top1']}")
+
+    xf, yf = finetune_arrays(d)
+    steps = -(-len(xf) // BATCH)
+
+    def optimizer():
+        return tf_keras.optimizers.Adam(
+            tf_keras.optimizers.schedules.CosineDecay(a.lr, decay_steps=steps)
+        )
+
+    tf_keras.utils.set_random_seed(a.seed + 1)
+    control = tf_keras.models.clone_model(fmodel)
+    control.set_weights(fmodel.get_weights())
+    compile_model(control, optimizer())
+    start = time.perf_counter()
+    control.fit(xf, yf, batch_size=BATCH, epochs=1, shuffle=False, verbose=2)
+    out["control"] = {
+        "keras_test_top1": top1(control, d["x_test"], d["y_test"]),
+        "finetune_seconds": round(time.perf_counter() - start, 1),
+    }
+
+    tf_keras.utils.set_random_seed(a.seed + 1)
+    qat = tfmot.quantization.keras.quantize_model(fmodel)
+    compile_model(qat, optimizer())
+    out["qat_before_finetune_test_top1"] = top1(qat, d["x_test"], d["y_test"])
+    start = time.perf_counter()
+    qat.fit(xf, yf, batch_size=BATCH, epochs=1, shuffle=False, verbose=2)
+    out["qat"] = {
+        "keras_test_top1": top1(qat, d["x_test"], d["y_test"]),
+        "finetune_seconds": round(time.perf_counter() - start, 1),
+        "optimizer": cosine_lr_note(a.lr, steps),
+    }
+
+    xb, yb = d["x_train"][:BATCH], d["y_train"][:BATCH]
+    median, per_round = interleaved_step_times(
+        {
+            "float32": lambda: control.train_on_batch(xb, yb),
+            "qat": lambda: qat.train_on_batch(xb, yb),
+        },
+        a.timing_rounds,
+        a.timing_repeats,
+    )
+    out["step_time"] = {
+        "float32_seconds": round(median["float32"], 4),
+        "qat_seconds": round(median["qat"], 4),
+        "ratio": round(median["qat"] / median["float32"], 3),
+        "per_round_ratios": [round(r, 3) for r in per_round],
+        "method": f"train_on_batch, batch {BATCH}, median of "
+        f"{a.timing_repeats} calls x {a.timing_rounds} interleaved rounds",
+    }
+    try:
+        how, note = export(qat, os.path.join(w, "tfmot_qat.onnx"))
+        out["export"] = {"ok": True, "how": how, "note": note}
+    except Exception as e:
+        out["export"] = {
+            "ok": False,
+            "error": f"{type(e).__name__}: {e}",
+            "traceback": traceback.format_exc()[-2000:],
+        }
+    write_json(w, "tfmot", out)
+
+
+if __name__ == "__main__":
+    main()
