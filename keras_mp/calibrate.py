@@ -17,6 +17,7 @@ from keras_mp.layers import (
     QuantizeWrapper,
     iter_quantize_layers,
 )
+from keras_mp.policy import _check_model
 
 NUM_BINS = 2048
 
@@ -238,6 +239,18 @@ def calibrate(
     >>> qmodel = keras_mp.quantize_model(model)
     >>> report = keras_mp.calibrate(qmodel, x_train[:4096], method="entropy")
     """
+    _check_model(model)
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(
+            f"`batch_size` must be a positive integer. Received: {batch_size!r}"
+        )
+    if num_batches is not None and (
+        not isinstance(num_batches, int) or num_batches < 1
+    ):
+        raise ValueError(
+            "`num_batches` must be a positive integer, or None for all the "
+            f"data. Received: {num_batches!r}"
+        )
     if method not in CALIBRATORS:
         raise ValueError(
             f"Unknown calibration method. Expected one of "
@@ -324,6 +337,7 @@ def quantization_report(model, verbose=True):
     """
     from keras_mp.config import layer_spec
 
+    _check_model(model)
     rows = []
 
     def walk(m):

@@ -337,6 +337,15 @@ def verify_onnx(
     data = np.asarray(data, np.float32)
     if data.ndim == 0 or len(data) == 0:
         raise ExportError("`verify_data` is empty: pass some real inputs.")
+    expected = tuple(model.inputs[0].shape[1:])
+    if data.shape[1:] != expected:
+        raise ExportError(
+            f"`verify_data` has shape {data.shape}, but model {model.name!r} "
+            f"expects (batch,) + {expected}. Pass inputs shaped like the "
+            "model's."
+        )
+    if not os.path.isfile(onnx_path):
+        raise FileNotFoundError(f"ONNX file not found: {onnx_path}")
     want = np.asarray(
         model.predict(data, batch_size=512, verbose=0), np.float32
     )
@@ -475,6 +484,8 @@ def export_saved_model(model, path, overwrite=False, verify_data=None):
 def strip_quantization(model):
     """A float copy of a quantized model: wrappers removed, weights kept."""
     from keras_mp.annotate import QuantizeAnnotate, _clone_with_weights
+
+    _check_model(model)
 
     def clone(layer):
         if isinstance(layer, (QuantizeWrapper, QuantizeAnnotate)):

@@ -279,6 +279,9 @@ def set_quantization_enabled(model, enabled):
 
     Resets the model's compiled functions so `predict`/`fit` retrace.
     """
+    from keras_mp.policy import _check_model
+
+    _check_model(model)
     for layer in iter_quantize_layers(model):
         layer.enabled = bool(enabled)
     for name in ("train_function", "test_function", "predict_function"):

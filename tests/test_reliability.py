@@ -208,9 +208,6 @@ def _calibrate_inf_in_second_batch(e):
     keras_mp.calibrate(e.quantized, x, batch_size=16, verbose=0)
 
 
-NOT_A_MODEL = (
-    "non-model `model` ends in AttributeError; check it is a keras.Model"
-)
 NO_INPUTS = (
     "subclassed model (called, so built) ends in AttributeError 'inputs'; "
     "say it has no known input signature and what to do"
@@ -530,35 +527,30 @@ BAD_INPUTS = [
         lambda e: keras_mp.calibrate("model.keras", e.x, verbose=0),
         TypeError,
         "keras.Model",
-        bug=NOT_A_MODEL + " (calibrate)",
     ),
     Bad(
         "calibrate_batch_size_zero",
         lambda e: keras_mp.calibrate(e.quantized, e.x, batch_size=0),
         ValueError,
         "batch_size",
-        bug="calibrate(batch_size=0) says 'range() arg 3 must not be zero'",
     ),
     Bad(
         "calibrate_num_batches_zero",
         lambda e: keras_mp.calibrate(e.quantized, e.x, num_batches=0),
         ValueError,
         "num_batches",
-        bug="calibrate(num_batches=0) says the data is empty",
     ),
     Bad(
         "report_not_a_model",
         lambda e: keras_mp.quantization_report("model.keras"),
         TypeError,
         "keras.Model",
-        bug=NOT_A_MODEL + " (quantization_report)",
     ),
     Bad(
         "enable_quantization_not_a_model",
         lambda e: keras_mp.set_quantization_enabled("model.keras", False),
         TypeError,
         "keras.Model",
-        bug=NOT_A_MODEL + " (set_quantization_enabled)",
     ),
     # -- 2:4 sparsity
     Bad(
@@ -837,8 +829,6 @@ BAD_INPUTS = [
         ),
         keras_mp.ExportError,
         r"verify_data.*\(32, 8, 8\)",
-        bug="export_onnx(verify_data of the wrong shape) leaks onnxruntime's "
-        "InvalidArgument 'Invalid rank for input: input_0'",
     ),
     Bad(
         "export_subclassed",
@@ -875,15 +865,12 @@ BAD_INPUTS = [
         lambda e: keras_mp.verify_onnx(e.float_model, e.dir / "none.onnx", e.x),
         (FileNotFoundError, keras_mp.ExportError),
         "none.onnx",
-        bug="verify_onnx(missing file) leaks onnxruntime's NoSuchFile",
     ),
     Bad(
         "strip_quantization_not_a_model",
         lambda e: keras_mp.strip_quantization("model.keras"),
         TypeError,
         "keras.Model",
-        bug="strip_quantization(non-model) surfaces clone_model's error about "
-        "`clone_function`/`input_tensors`",
     ),
     # -- TensorRT lint
     Bad(
@@ -1152,8 +1139,7 @@ BAD_CLI = [
             f"{d}/x3d.npy",
         ],
         r"verify.*\(32, 8, 8\)",
-        "--verify with inputs of the wrong shape escapes as onnxruntime's "
-        "InvalidArgument (traceback instead of an error line)",
+        None,
     ),
     (
         "export_saved_model_existing",
