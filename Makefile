@@ -36,7 +36,9 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check keras_mp tests benchmarks examples
 
 bench: $(STAMP) data
-	$(PY) benchmarks/run_all.py
+	for b in mixed_precision quantization sparsity muppet peers; do \
+		$(PY) benchmarks/bench_$$b.py || exit 1; \
+	done
 
 clean:
 	rm -rf $(VENV) demo-report build *.egg-info

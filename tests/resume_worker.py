@@ -9,6 +9,9 @@ must reproduce:
 - `muppet`: MuPPET fixed-point training with adaptive `PrecisionSwitching`:
   word lengths, stage, violation count, maximum diversity, window sums.
 
+`nan_step` (a NaN on the second replica under loss scaling) is a third
+builder, for test_distribute.py only.
+
 Command line (used by test_resume.py and test_distribute.py):
 
     python tests/resume_worker.py SCENARIO MODE OUT_DIR
@@ -269,8 +272,10 @@ def _pause_for_kill(out_dir, at):
 
         def on_train_batch_end(self, batch, logs=None):
             if (self.epoch, batch) == at:
-                with open(os.path.join(out_dir, "ready"), "w") as f:
+                ready = os.path.join(out_dir, "ready")
+                with open(ready + ".tmp", "w") as f:
                     f.write(json.dumps({"epoch": self.epoch, "batch": batch}))
+                os.replace(ready + ".tmp", ready)  # never seen half-written
                 time.sleep(600)
 
     return PauseForKill()

@@ -304,15 +304,15 @@ def _run_workers(out_dir, name, timeout):
         env["TF_CONFIG"] = json.dumps(
             {"cluster": cluster, "task": {"type": "worker", "index": index}}
         )
-        log = open(out_dir / f"{name}_worker{index}.log", "w")
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, WORKER, name, "worker", str(out_dir)],
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
+        with open(out_dir / f"{name}_worker{index}.log", "w") as log:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, WORKER, name, "worker", str(out_dir)],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
             )
-        )
     deadline = time.monotonic() + timeout
     codes = []
     for proc in procs:

@@ -28,13 +28,13 @@ TIMEOUT = 400
 def _start(scenario, mode, out_dir):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
     env.pop("TF_CONFIG", None)
-    log = open(os.path.join(out_dir, f"{mode}.log"), "w")
-    return subprocess.Popen(
-        [sys.executable, WORKER, scenario, mode, str(out_dir)],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
+    with open(os.path.join(out_dir, f"{mode}.log"), "w") as log:
+        return subprocess.Popen(
+            [sys.executable, WORKER, scenario, mode, str(out_dir)],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
 
 
 def _log_tail(out_dir, mode):
