@@ -46,31 +46,49 @@ def write_json(workdir, name, obj):
     print(json.dumps(obj, indent=2))
 
 
-def interleaved_step_times(steps, rounds, repeats, warmup=2):
-    """Median seconds per call of each `steps[name]()`, measured side by side.
+def step_time_report(float_step, qat_step, rounds, repeats, warmup=3):
+    """QAT train step vs float32 train step, measured side by side.
 
-    Rounds alternate the order (A B, B A, ...) so drift on a shared machine
-    hits every candidate alike; each round takes the median of `repeats`
-    calls, and the result is the median over rounds. Also returns the
-    per-round ratios of the second entry to the first.
+    Each round times `repeats` calls of one model, then of the other (the
+    order alternates every round), so drift on a shared machine hits both
+    alike. Reports the median wall time per call over all calls, the ratio
+    of the medians, the quartiles of the per-round ratios (spread), and the
+    same ratio in process CPU time, which other processes on the machine
+    disturb less than wall time.
     """
-    names = list(steps)
-    for name in names:
+    steps = {"float32": float_step, "qat": qat_step}
+    for step in steps.values():
         for _ in range(warmup):
-            steps[name]()
-    times = {n: [] for n in names}
+            step()
+    wall = {k: [] for k in steps}
+    cpu = {k: [] for k in steps}
+    per_round = []
     for r in range(rounds):
-        for n in names if r % 2 == 0 else names[::-1]:
+        order = list(steps) if r % 2 == 0 else list(steps)[::-1]
+        block = {}
+        for k in order:
             t = []
             for _ in range(repeats):
-                start = time.perf_counter()
-                steps[n]()
-                t.append(time.perf_counter() - start)
-            times[n].append(float(np.median(t)))
-    median = {n: float(np.median(v)) for n, v in times.items()}
-    a, b = names[0], names[1]
-    per_round = [y / x for x, y in zip(times[a], times[b])]
-    return median, per_round
+                w0, c0 = time.perf_counter(), time.process_time()
+                steps[k]()
+                t.append(time.perf_counter() - w0)
+                cpu[k].append(time.process_time() - c0)
+            wall[k] += t
+            block[k] = float(np.median(t))
+        per_round.append(block["qat"] / block["float32"])
+    med = {k: float(np.median(v)) for k, v in wall.items()}
+    med_cpu = {k: float(np.median(v)) for k, v in cpu.items()}
+    q1, q2, q3 = np.percentile(per_round, [25, 50, 75])
+    return {
+        "float32_seconds": round(med["float32"], 4),
+        "qat_seconds": round(med["qat"], 4),
+        "ratio": round(med["qat"] / med["float32"], 3),
+        "per_round_ratio_quartiles": [round(float(q), 3) for q in (q1, q2, q3)],
+        "cpu_ratio": round(med_cpu["qat"] / med_cpu["float32"], 3),
+        "method": f"train_on_batch, batch {BATCH}, {rounds} interleaved "
+        f"rounds x {repeats} calls per model (order alternating), median "
+        "wall time per call; cpu_ratio: the same with process CPU time",
+    }
 
 
 def cosine_lr_note(lr, steps):

@@ -39,8 +39,8 @@ from _peer_common import (  # noqa: E402
     BATCH,
     cosine_lr_note,
     finetune_arrays,
-    interleaved_step_times,
     load_data,
+    step_time_report,
     write_json,
 )
 
@@ -133,8 +133,8 @@ def main():
     p.add_argument("--workdir", required=True)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timing-rounds", type=int, default=5)
-    p.add_argument("--timing-repeats", type=int, default=7)
+    p.add_argument("--timing-rounds", type=int, default=30)
+    p.add_argument("--timing-repeats", type=int, default=3)
     a = p.parse_args()
     w = a.workdir
     d = load_data(w)
@@ -182,22 +182,12 @@ def main():
     }
 
     xb, yb = d["x_train"][:BATCH], d["y_train"][:BATCH]
-    median, per_round = interleaved_step_times(
-        {
-            "float32": lambda: control.train_on_batch(xb, yb),
-            "qat": lambda: qat.train_on_batch(xb, yb),
-        },
+    out["step_time"] = step_time_report(
+        lambda: control.train_on_batch(xb, yb),
+        lambda: qat.train_on_batch(xb, yb),
         a.timing_rounds,
         a.timing_repeats,
     )
-    out["step_time"] = {
-        "float32_seconds": round(median["float32"], 4),
-        "qat_seconds": round(median["qat"], 4),
-        "ratio": round(median["qat"] / median["float32"], 3),
-        "per_round_ratios": [round(r, 3) for r in per_round],
-        "method": f"train_on_batch, batch {BATCH}, median of "
-        f"{a.timing_repeats} calls x {a.timing_rounds} interleaved rounds",
-    }
     try:
         how, note = export(qat, os.path.join(w, "tfmot_qat.onnx"))
         out["export"] = {"ok": True, "how": how, "note": note}
