@@ -158,18 +158,65 @@ class CalibrationReport:
         return self.to_table()
 
 
-def _batches(data, batch_size, num_batches):
-    """Yields input batches from an array, a tf.data.Dataset or an iterable;
-    `(x, y)` tuples give their `x`."""
+def _input_names(model):
+    try:
+        return [t.name for t in model.inputs] if model.inputs else [None]
+    except AttributeError:  # subclassed: one input assumed
+        return [None]
+
+
+def _as_inputs(batch, names):
+    """One batch as a list of arrays, one per model input."""
+    n = len(names)
+    if isinstance(batch, dict):
+        batch = [batch[name] for name in names]
+    elif isinstance(batch, (tuple, list)):
+        first = batch[0]
+        if isinstance(first, (tuple, list, dict)) or n == 1:
+            return _as_inputs(first, names)  # (x, y) or (x,): keep x
+        batch = list(batch)[:n] if len(batch) >= n else batch
+    else:
+        batch = [batch]
+    if len(batch) != n:
+        raise ValueError(
+            f"Calibration batch holds {len(batch)} array(s), but the model "
+            f"has {n} inputs {names}: give one array per input (a list or a "
+            "dict by input name)."
+        )
+    return [keras.ops.convert_to_numpy(b) for b in batch]
+
+
+def _batches(data, batch_size, num_batches, names):
+    """Yields batches (a list of arrays, one per model input) from an array
+    (or a list / dict of arrays for several inputs), a tf.data.Dataset or an
+    iterable; `(x, y)` tuples give their `x`."""
+    arrays = None
     if isinstance(data, np.ndarray):
-        if data.size == 0:
+        arrays = [data]
+    elif len(names) > 1 and isinstance(data, dict):
+        arrays = _as_inputs(data, names)
+    elif (
+        len(names) > 1
+        and isinstance(data, (list, tuple))
+        and len(data) == len(names)
+        and all(isinstance(a, np.ndarray) and a.ndim >= 1 for a in data)
+    ):
+        arrays = list(data)
+    if arrays is not None:
+        if any(a.size == 0 for a in arrays):
             raise ValueError(
                 "Calibration data is empty: pass some real inputs."
             )
-        for n, start in enumerate(range(0, len(data), batch_size)):
+        if len({len(a) for a in arrays}) > 1:
+            raise ValueError(
+                "Calibration arrays have different lengths "
+                f"{[len(a) for a in arrays]}: give every input the same "
+                "number of samples."
+            )
+        for n, start in enumerate(range(0, len(arrays[0]), batch_size)):
             if num_batches is not None and n >= num_batches:
                 return
-            yield data[start : start + batch_size]
+            yield [a[start : start + batch_size] for a in arrays]
         return
     if isinstance(data, (str, bytes, dict)) or not hasattr(data, "__iter__"):
         raise TypeError(
@@ -179,13 +226,14 @@ def _batches(data, batch_size, num_batches):
     for n, batch in enumerate(data):
         if num_batches is not None and n >= num_batches:
             return
-        if isinstance(batch, (tuple, list)):
-            batch = batch[0]
-        yield keras.ops.convert_to_numpy(batch)
+        yield _as_inputs(batch, names)
 
 
-def _check_input(model, batch):
-    expected = model.inputs[0].shape if model.inputs else None
+def _check_input(model, batch, index=0):
+    try:
+        expected = model.inputs[index].shape if model.inputs else None
+    except AttributeError:  # subclassed model: no symbolic inputs
+        expected = None
     if expected is not None and (
         batch.ndim != len(expected)
         or any(
@@ -219,7 +267,9 @@ def calibrate(
     Args:
         model: a quantized model (`keras_mp.quantize_model`).
         data: NumPy array of inputs, `tf.data.Dataset` or iterable of
-            batches (`(x, y)` tuples are fine: `y` is ignored).
+            batches (`(x, y)` tuples are fine: `y` is ignored). For a model
+            with several inputs: a list (in `model.inputs` order) or dict
+            (by input name) of arrays, or batches shaped that way.
         method: str. `"max"`, `"percentile"`, `"entropy"` or `"mse"`.
             Defaults to `"max"`.
         num_batches: int. Stop after this many batches. Defaults to all.
@@ -274,18 +324,22 @@ def calibrate(
         num_batches, verbose=verbose, unit_name="batch"
     )
     try:
-        for batch in _batches(data, batch_size, num_batches):
-            batch = np.asarray(batch, np.float32)
-            _check_input(model, batch)
-            if not np.all(np.isfinite(batch)):
-                where = np.argwhere(~np.isfinite(batch))[0]
-                raise ValueError(
-                    f"Calibration data holds NaN/Inf (batch {batches}, first "
-                    f"at index {tuple(int(i) for i in where)}). Clean the data."
-                )
-            model(batch, training=False)
+        names = _input_names(model)
+        for batch in _batches(data, batch_size, num_batches, names):
+            batch = [np.asarray(b, np.float32) for b in batch]
+            for i, b in enumerate(batch):
+                _check_input(model, b, i)
+                if not np.all(np.isfinite(b)):
+                    where = np.argwhere(~np.isfinite(b))[0]
+                    which = f"input {names[i]!r}, " if len(batch) > 1 else ""
+                    raise ValueError(
+                        f"Calibration data holds NaN/Inf ({which}batch "
+                        f"{batches}, first at index "
+                        f"{tuple(int(i) for i in where)}). Clean the data."
+                    )
+            model(batch if len(batch) > 1 else batch[0], training=False)
             batches += 1
-            samples += len(batch)
+            samples += len(batch[0])
             progbar.update(batches)
     finally:
         for q in quantizers.values():

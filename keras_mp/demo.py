@@ -62,7 +62,7 @@ def _latency_ms(path, x, repeats):
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        _run(session, x)
+        _run(session, [x])
         times.append(time.perf_counter() - start)
     return 1000 * float(np.median(times))
 

@@ -13,6 +13,7 @@ import os
 
 import numpy as np
 
+from keras_mp import onnx_fp16
 from keras_mp._compat import optional_import
 from keras_mp.io import atomic_path
 from keras_mp.layers import (
@@ -25,6 +26,9 @@ from keras_mp.policy import _check_model
 # ONNX output-channel axis of each weighted op's weight input.
 _WEIGHT_AXIS = {"Conv": 0, "ConvTranspose": 1, "MatMul": -1, "Gemm": None}
 _LAYOUT_OPS = ("Transpose", "Reshape", "Identity")
+# tf2onnx 1.17 converts up to opset 18; later opsets go through ONNX's
+# version converter.
+_TF2ONNX_MAX_OPSET = 18
 
 
 class ExportError(ValueError):
@@ -64,14 +68,28 @@ class ParityReport:
         return text
 
 
-def _check_exportable(model):
+def _check_signature(model, what):
+    """ExportError unless `model` has known symbolic inputs."""
     _check_model(model)
-    if not model.built or not model.inputs:
+    try:
+        inputs = model.inputs if model.built else None
+    except AttributeError:
+        raise ExportError(
+            f"Model {model.name!r} is a subclassed keras.Model: it has no "
+            f"symbolic inputs, so {what} does not know its input signature. "
+            "Wrap it in a functional model first: `x = keras.Input(shape); "
+            "keras.Model(x, model(x))`."
+        ) from None
+    if not inputs:
         raise ExportError(
             f"Model {model.name!r} has never been called, so its input "
             "signature is unknown. Build it with `keras.Input(...)` or call it "
             "once on a batch before exporting."
         )
+
+
+def _check_exportable(model):
+    _check_signature(model, "export_onnx")
     problems = []
     for layer in iter_quantize_layers(model):
         quantizers = (
@@ -80,14 +98,17 @@ def _check_exportable(model):
             else [layer]
         )
         for q in quantizers:
-            if isinstance(q, QuantizeActivation) and float(q.amax.numpy()) <= 0:
+            if isinstance(q, QuantizeActivation) and not (
+                0 < float(q.amax.numpy()) < np.inf
+            ):
                 problems.append(f"{layer.name}/{q.name}")
     if problems:
         raise ExportError(
-            f"Uncalibrated (or collapsed, amax 0) activation ranges in "
-            f"{', '.join(problems)}: their scale would be 0, which TensorRT "
-            "rejects. Run keras_mp.calibrate(model, data) first, or skip "
-            "those layers with QuantizeConfig(skip=True)."
+            f"Uncalibrated (or collapsed, amax 0) or non-finite activation "
+            f"ranges in {', '.join(problems)}: their scale would be 0, NaN "
+            "or inf, which TensorRT rejects. Run keras_mp.calibrate(model, "
+            "data) first (on finite data), or skip those layers with "
+            "QuantizeConfig(skip=True)."
         )
 
 
@@ -294,20 +315,74 @@ def _session(path, optimized):
     )
 
 
-def _run(session, x, batch_size=512):
-    name = session.get_inputs()[0].name
-    outs = [
-        session.run(None, {name: x[i : i + batch_size]})[0]
-        for i in range(0, len(x), batch_size)
+def _run(session, inputs, batch_size=512):
+    """ONNX Runtime outputs, each concatenated over batches."""
+    names = [i.name for i in session.get_inputs()]
+    batches = [
+        session.run(
+            None,
+            {name: x[i : i + batch_size] for name, x in zip(names, inputs)},
+        )
+        for i in range(0, len(inputs[0]), batch_size)
     ]
-    return np.concatenate(outs)
+    return [np.concatenate(outs) for outs in zip(*batches)]
+
+
+def _verify_inputs(model, data):
+    """`data` as a list of float32 arrays, one per model input, checked."""
+    specs = list(model.inputs)
+    if isinstance(data, dict):
+        names = [t.name for t in specs]
+        missing = [n for n in names if n not in data]
+        if missing:
+            raise ExportError(
+                f"`verify_data` has keys {sorted(data)}, but model "
+                f"{model.name!r} has inputs {names}: give one array per input."
+            )
+        data = [data[n] for n in names]
+    elif not isinstance(data, (list, tuple)):
+        data = [data]
+    if len(data) != len(specs):
+        raise ExportError(
+            f"`verify_data` holds {len(data)} array(s), but model "
+            f"{model.name!r} has {len(specs)} input(s): pass a list (or a dict "
+            "by input name) with one array per input."
+        )
+    arrays = []
+    for spec, x in zip(specs, data):
+        x = np.asarray(x, np.float32)
+        if x.ndim == 0 or len(x) == 0:
+            raise ExportError("`verify_data` is empty: pass some real inputs.")
+        expected = tuple(spec.shape[1:])
+        if x.shape[1:] != expected:
+            raise ExportError(
+                f"`verify_data` has shape {x.shape}, but model {model.name!r} "
+                f"expects (batch,) + {expected}. Pass inputs shaped like the "
+                "model's."
+            )
+        arrays.append(x)
+    if len({len(x) for x in arrays}) > 1:
+        raise ExportError(
+            "`verify_data` arrays have different batch sizes "
+            f"{[len(x) for x in arrays]}: give every input the same number "
+            "of samples."
+        )
+    return arrays
 
 
 def _compare(want, got):
-    diff = np.abs(want - got)
-    agree = float(np.mean(want.argmax(-1) == got.argmax(-1)))
-    rel = float(np.linalg.norm(want - got) / max(np.linalg.norm(want), 1e-12))
-    return agree, float(diff.max()), float(diff.mean()), rel
+    """(top-1 agreement, max |diff|, mean |diff|, relative L2), worst over
+    the outputs; top-1 on the outputs with a class axis."""
+    agree, max_diff, mean_diff, rel = 1.0, 0.0, 0.0, 0.0
+    for w, g in zip(want, got):
+        diff = np.abs(w - g)
+        if w.ndim >= 2 and w.shape[-1] > 1:
+            agree = min(agree, float(np.mean(w.argmax(-1) == g.argmax(-1))))
+        max_diff = max(max_diff, float(diff.max()))
+        mean_diff = max(mean_diff, float(diff.mean()))
+        norm = max(float(np.linalg.norm(w)), 1e-12)
+        rel = max(rel, float(np.linalg.norm(w - g)) / norm)
+    return agree, max_diff, mean_diff, rel
 
 
 def verify_onnx(
@@ -323,7 +398,8 @@ def verify_onnx(
     Args:
         model: the Keras model.
         onnx_path: str. The exported file.
-        data: NumPy array of inputs.
+        data: NumPy array of inputs; for a model with several inputs, a
+            list of arrays in `model.inputs` order or a dict by input name.
         min_top1_agreement: float. Fail below this. Defaults to 0.999.
         max_rel_l2: float. Fail above this relative L2 difference of the
             outputs. Defaults to 0.01.
@@ -334,28 +410,23 @@ def verify_onnx(
     Raises:
         ParityError: past a tolerance.
     """
-    data = np.asarray(data, np.float32)
-    if data.ndim == 0 or len(data) == 0:
-        raise ExportError("`verify_data` is empty: pass some real inputs.")
-    expected = tuple(model.inputs[0].shape[1:])
-    if data.shape[1:] != expected:
-        raise ExportError(
-            f"`verify_data` has shape {data.shape}, but model {model.name!r} "
-            f"expects (batch,) + {expected}. Pass inputs shaped like the "
-            "model's."
-        )
+    inputs = _verify_inputs(model, data)
     if not os.path.isfile(onnx_path):
         raise FileNotFoundError(f"ONNX file not found: {onnx_path}")
-    want = np.asarray(
-        model.predict(data, batch_size=512, verbose=0), np.float32
+    want = model.predict(
+        inputs if len(inputs) > 1 else inputs[0], batch_size=512, verbose=0
     )
-    got = _run(_session(onnx_path, optimized=False), data)
+    want = [
+        np.asarray(w, np.float32)
+        for w in (want if isinstance(want, (list, tuple)) else [want])
+    ]
+    got = _run(_session(onnx_path, optimized=False), inputs)
     agree, max_diff, mean_diff, rel = _compare(want, got)
     opt_agree, _, _, opt_rel = _compare(
-        want, _run(_session(onnx_path, True), data)
+        want, _run(_session(onnx_path, True), inputs)
     )
     report = ParityReport(
-        len(data), agree, max_diff, mean_diff, rel, opt_agree, opt_rel
+        len(inputs[0]), agree, max_diff, mean_diff, rel, opt_agree, opt_rel
     )
     if agree < min_top1_agreement or rel > max_rel_l2:
         raise ParityError(
@@ -368,12 +439,13 @@ def verify_onnx(
 def export_onnx(
     model,
     path,
-    opset=17,
+    opset=None,
     inputs_as_nchw=None,
     verify_data=None,
     overwrite=False,
     min_top1_agreement=0.999,
-    max_rel_l2=0.01,
+    max_rel_l2=None,
+    fp16=False,
 ):
     """Exports a Keras model to ONNX with TensorRT-style Q/DQ.
 
@@ -385,14 +457,20 @@ def export_onnx(
     Args:
         model: a called `keras.Model`.
         path: str. The `.onnx` file to write.
-        opset: int. ONNX opset, >= 13 (per-channel Q/DQ). Defaults to 17.
+        opset: int. ONNX opset, >= 13 (per-channel Q/DQ). Defaults to 17,
+            or 19 with `fp16=True`.
         inputs_as_nchw: list of input names to expose as NCHW. Defaults to
             None (NHWC, as the Keras model).
         verify_data: NumPy array. When given, compare ONNX Runtime with
             Keras on it (see `verify_onnx`) before the file lands.
         overwrite: bool. Replace an existing file. Defaults to False.
         min_top1_agreement: float. Parity tolerance. Defaults to 0.999.
-        max_rel_l2: float. Parity tolerance. Defaults to 0.01.
+        max_rel_l2: float. Parity tolerance. Defaults to 0.01, or 0.05 with
+            `fp16=True` (float16 arithmetic and float16 scales move the
+            logits by about 1% against the float32 Keras model).
+        fp16: bool. Cast everything that is not INT8 to float16 (inputs and
+            outputs stay float32) for a strongly typed TensorRT build, Q/DQ
+            scales included; needs opset >= 19. Defaults to False.
 
     Returns:
         `ParityReport` when `verify_data` was given, else None.
@@ -409,9 +487,22 @@ def export_onnx(
     """
     tf2onnx = optional_import("tf2onnx")
     onnx = optional_import("onnx")
+    if opset is None:
+        opset = onnx_fp16.MIN_OPSET if fp16 else 17
     if not isinstance(opset, int) or opset < 13:
         raise ExportError(
             f"Per-channel Q/DQ needs opset >= 13. Received: opset={opset!r}"
+        )
+    if opset > onnx.defs.onnx_opset_version():
+        raise ExportError(
+            f"onnx {onnx.__version__} knows opsets up to "
+            f"{onnx.defs.onnx_opset_version()}. Received: opset={opset}"
+        )
+    if fp16 and opset < onnx_fp16.MIN_OPSET:
+        raise ExportError(
+            "fp16=True stores Q/DQ scales as float16, which needs opset >= "
+            f"{onnx_fp16.MIN_OPSET}. Received: opset={opset}. Pass "
+            f"opset={onnx_fp16.MIN_OPSET}."
         )
     path = os.fspath(path)
     if os.path.exists(path) and not overwrite:
@@ -425,15 +516,24 @@ def export_onnx(
         proto, _ = tf2onnx.convert.from_function(
             serve,
             input_signature=signature,
-            opset=opset,
+            opset=min(opset, _TF2ONNX_MAX_OPSET),
             inputs_as_nchw=inputs_as_nchw,
         )
     except Exception as e:  # tf2onnx raises bare exceptions for unknown ops
         raise ExportError(
             f"tf2onnx could not convert model {model.name!r}: {e}"
         ) from e
+    if max_rel_l2 is None:
+        max_rel_l2 = 0.05 if fp16 else 0.01
     proto = _fold_weight_qdq(proto)
+    proto = onnx_fp16.convert_version(proto, opset)
+    if fp16:
+        try:
+            proto = onnx_fp16.to_float16(proto)
+        except ValueError as e:
+            raise ExportError(str(e)) from e
     onnx.checker.check_model(proto)
+    _warn_if_not_tensorrt_ready(model, proto)
     report = None
     with atomic_path(path) as tmp:
         onnx.save(proto, tmp)
@@ -442,6 +542,30 @@ def export_onnx(
                 model, tmp, verify_data, min_top1_agreement, max_rel_l2
             )
     return report
+
+
+def _warn_if_not_tensorrt_ready(model, proto):
+    """A warning when the graph breaks the TensorRT contract, e.g. a model
+    quantized by Keras' own `model.quantize("int8")` (MatMulInteger)."""
+    import warnings
+
+    from keras_mp.tensorrt import check_tensorrt
+
+    lint = check_tensorrt(proto, check_sparsity=False)
+    if lint.ok:
+        return
+    rules = sorted({f.rule for f in lint.violations})
+    warnings.warn(
+        f"The ONNX graph of model {model.name!r} breaks the TensorRT "
+        f"explicit-quantization contract ({len(lint.violations)} "
+        f"violation(s): {', '.join(rules)}); TensorRT will not build it as "
+        "INT8. If the model was quantized with Keras' own "
+        "`model.quantize(...)`, quantize the float model with "
+        "`keras_mp.quantize_model` instead. Run `keras_mp.check_tensorrt` "
+        "on the file for the per-node list.",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 def export_saved_model(model, path, overwrite=False, verify_data=None):
@@ -464,11 +588,15 @@ def export_saved_model(model, path, overwrite=False, verify_data=None):
     path = os.fspath(path)
     if os.path.exists(path) and not overwrite:
         raise ExportError(f"{path} exists. Pass overwrite=True to replace it.")
-    _check_model(model)
-    if not model.built or not model.inputs:
-        raise ExportError(
-            f"Model {model.name!r} has never been called. Call it once first."
-        )
+    try:
+        _check_signature(model, "export_saved_model")
+    except ExportError as e:
+        if "never been called" in str(e):
+            raise ExportError(
+                f"Model {model.name!r} has never been called. Call it once "
+                "first."
+            ) from None
+        raise
     diff = None
     with atomic_path(path, is_dir=True) as tmp:
         model.export(tmp, format="tf_saved_model", verbose=False)

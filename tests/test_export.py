@@ -11,6 +11,7 @@ from conftest import small_cnn
 
 import keras_mp
 from keras_mp import cli
+from keras_mp.layers import iter_quantize_layers
 from keras_mp.reference import reference_cnn
 
 
@@ -214,3 +215,129 @@ def test_sparse_then_qat_keeps_2_4_through_export(tmp_path):
     assert report.ok, str(report)
     assert len(report.sparse_weights) == 2
     assert "--sparsity=enable" in keras_mp.trtexec_command(path, report)
+
+
+def test_fp16_export_is_int8_plus_float16_with_float32_boundaries(tmp_path):
+    x = np.random.default_rng(0).random((64, 28, 28, 1), dtype=np.float32)
+    qmodel = _quantized(reference_cnn(width=8), x)
+    path = str(tmp_path / "fp16.onnx")
+    parity = keras_mp.export_onnx(qmodel, path, verify_data=x, fp16=True)
+    assert parity.top1_agreement >= 0.999 and parity.rel_l2 <= 0.05
+    proto = onnx.load(path)
+    assert max(o.version for o in proto.opset_import if o.domain == "") == 19
+    graph = proto.graph
+    FLOAT, FLOAT16 = onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16
+    assert graph.input[0].type.tensor_type.elem_type == FLOAT
+    assert graph.output[0].type.tensor_type.elem_type == FLOAT
+    # inside the graph no float32 constant is left: scales, biases and
+    # BatchNormalization statistics are float16, weights INT8
+    dtypes = {init.name: init.data_type for init in graph.initializer}
+    assert FLOAT not in dtypes.values(), [
+        n for n, t in dtypes.items() if t == FLOAT
+    ]
+    assert FLOAT16 in dtypes.values()
+    types = {v.name: v.type.tensor_type.elem_type for v in graph.value_info}
+    for node in graph.node:
+        if node.op_type in ("Conv", "MatMul"):
+            assert types.get(node.input[0]) == FLOAT16, node.name
+    report = _check_artifact(path, 8)
+    assert report.num_qdq == 24
+
+
+def test_fp16_needs_opset_19_and_says_so(tmp_path):
+    x = np.random.default_rng(0).random((8, 28, 28, 1), dtype=np.float32)
+    with pytest.raises(keras_mp.ExportError, match="opset >= 19.*opset=19"):
+        keras_mp.export_onnx(
+            small_cnn(), tmp_path / "a.onnx", opset=17, fp16=True
+        )
+    assert not (tmp_path / "a.onnx").exists()
+    # opsets past tf2onnx's 18 go through ONNX's version converter
+    keras_mp.export_onnx(
+        small_cnn(), tmp_path / "b.onnx", opset=19, verify_data=x
+    )
+    proto = onnx.load(tmp_path / "b.onnx")
+    assert max(o.version for o in proto.opset_import if o.domain == "") == 19
+
+
+def _two_input_model():
+    image = keras.Input((8, 8, 4), name="image")
+    extra = keras.Input((6,), name="extra")
+    h = keras.layers.Conv2D(8, 3, activation="relu")(image)
+    h = keras.layers.GlobalAveragePooling2D()(h)
+    e = keras.layers.Dense(8, activation="relu")(extra)
+    h = keras.layers.Concatenate()([h, e])
+    return keras.Model([image, extra], keras.layers.Dense(5)(h))
+
+
+def _activation_quantizers(model):
+    return [
+        q
+        for w in iter_quantize_layers(model)
+        for q in (
+            w.input_quantizers
+            if isinstance(w, keras_mp.QuantizeWrapper)
+            else [w]
+        )
+    ]
+
+
+def test_multi_input_model_calibrates_exports_and_verifies(tmp_path):
+    rng = np.random.default_rng(0)
+    xs = [
+        rng.random((32, 8, 8, 4), np.float32),
+        rng.random((32, 6), np.float32),
+    ]
+    qmodel = keras_mp.quantize_model(_two_input_model())
+    keras_mp.calibrate(qmodel, xs, verbose=0)
+    amax = [q.amax.numpy() for q in _activation_quantizers(qmodel)]
+    # the same data as (dict of inputs, labels) batches gives the same ranges
+    batches = [
+        ({"image": xs[0][i : i + 8], "extra": xs[1][i : i + 8]}, None)
+        for i in range(0, 32, 8)
+    ]
+    keras_mp.calibrate(qmodel, batches, verbose=0)
+    np.testing.assert_array_equal(
+        amax, [q.amax.numpy() for q in _activation_quantizers(qmodel)]
+    )
+    path = tmp_path / "two.onnx"
+    report = keras_mp.export_onnx(qmodel, path, verify_data=xs)
+    assert report.samples == 32 and report.top1_agreement >= 0.999
+    assert keras_mp.check_tensorrt(path).ok
+    by_name = keras_mp.verify_onnx(
+        qmodel, path, {"image": xs[0], "extra": xs[1]}
+    )
+    assert by_name.rel_l2 == report.rel_l2
+    with pytest.raises(keras_mp.ExportError, match="1 array.*2 input"):
+        keras_mp.verify_onnx(qmodel, path, xs[0])
+    with pytest.raises(keras_mp.ExportError, match="different batch sizes"):
+        keras_mp.verify_onnx(qmodel, path, [xs[0], xs[1][:5]])
+
+
+def test_keras_int8_model_export_warns_it_is_not_tensorrt_ready(tmp_path):
+    x = np.random.default_rng(0).random((8, 16), dtype=np.float32)
+    inputs = keras.Input((16,))
+    model = keras.Model(inputs, keras.layers.Dense(4)(inputs))
+    model.quantize("int8")
+    with pytest.warns(UserWarning, match="keras_mp.quantize_model"):
+        keras_mp.export_onnx(
+            model, tmp_path / "k.onnx", verify_data=x, max_rel_l2=0.1
+        )
+    assert (tmp_path / "k.onnx").exists()
+
+
+def test_trtexec_command_has_shapes_for_the_dynamic_batch(tmp_path):
+    path = str(tmp_path / "f.onnx")
+    keras_mp.export_onnx(small_cnn(), path)
+    command = keras_mp.trtexec_command(path)
+    assert command.startswith(f"trtexec --onnx={path} ")
+    assert "--stronglyTyped" in command and "--int8" not in command
+    name = onnx.load(path).graph.input[0].name
+    assert f"--minShapes={name}:1x28x28x1" in command
+    assert f"--optShapes={name}:32x28x28x1" in command
+    assert f"--maxShapes={name}:128x28x28x1" in command
+    legacy = keras_mp.trtexec_command(path, batch=(2, 4, 8), legacy=True)
+    assert (
+        "--int8 --fp16" in legacy and f"--maxShapes={name}:8x28x28x1" in legacy
+    )
+    with pytest.raises(ValueError, match="min <= opt <= max"):
+        keras_mp.trtexec_command(path, batch=(8, 4, 2))

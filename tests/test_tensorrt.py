@@ -195,9 +195,19 @@ def test_non_positive_or_infinite_scale_is_flagged(scale):
     assert _fired(report, "scale") == {"q_x", "dq_x"}
 
 
-def test_float16_scale_is_flagged():
+def test_float16_scale_is_flagged_before_opset_19():
     report = check_tensorrt(conv_model(x_scale=np.float16(0.02)))
     assert _fired(report, "scale") == {"q_x", "dq_x"}
+    assert "opset >= 19" in str(report)
+
+
+def test_float16_scale_is_accepted_at_opset_19():
+    # QuantizeLinear-19 takes float16 input and scale (float16 graphs for
+    # strongly typed TensorRT builds); other dtypes stay violations.
+    ok = conv_model(opset=19, x_scale=np.float16(0.02))
+    assert not _fired(check_tensorrt(ok), "scale")
+    bad = conv_model(opset=19, x_scale=np.float64(0.02))
+    assert _fired(check_tensorrt(bad), "scale") == {"q_x", "dq_x"}
 
 
 def test_scale_from_constant_node_is_accepted():
