@@ -42,8 +42,13 @@ def markdown_table(header, rows):
 
 
 def write_results(name, results, markdown):
-    """Writes results/<name>.json and results/<name>.md atomically."""
+    """Writes results/<name>.json and results/<name>.md atomically
+    (`<name>_quick.*` for a `--quick` smoke run, so it never replaces the
+    measured figures)."""
     from keras_mp.io import atomic_write_text
+
+    if "--quick" in sys.argv:
+        name += "_quick"
 
     os.makedirs(RESULTS, exist_ok=True)
     results = dict(results, command=command_line(), versions=versions())

@@ -60,9 +60,21 @@ def export_command_parser(subparsers):
         "--method", default="max", help="calibrator (max, percentile, ...)"
     )
     parser.add_argument(
-        "--verify", help="a .npy of inputs for the parity check"
+        "--verify",
+        help="a .npy of inputs for the parity check (default: the "
+        "--calibrate data)",
     )
-    parser.add_argument("--opset", type=int, default=17)
+    parser.add_argument(
+        "--opset",
+        type=int,
+        default=None,
+        help="ONNX opset (17; 19 with --fp16)",
+    )
+    parser.add_argument(
+        "--fp16",
+        action="store_true",
+        help="float16 outside the INT8 layers, for strongly typed TensorRT",
+    )
     parser.add_argument("--overwrite", action="store_true")
     parser.set_defaults(func=export_command)
 
@@ -87,8 +99,11 @@ def export_command(args):
         )
     try:
         model = keras.saving.load_model(args.model, safe_mode=True)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"Could not load {args.model}: {e}") from e
+    except Exception as e:  # a damaged file fails anywhere in Keras
+        raise ValueError(
+            f"Could not load {args.model} as a Keras model "
+            f"({type(e).__name__}: {e})"
+        ) from e
     if args.calibrate:
         model = keras_mp.quantize_model(model)
         print(
@@ -96,7 +111,11 @@ def export_command(args):
                 model, _load_npy(args.calibrate), method=args.method
             )
         )
-    verify = _load_npy(args.verify) if args.verify else None
+    verify = (
+        _load_npy(args.verify or args.calibrate)
+        if (args.verify or args.calibrate)
+        else None
+    )
     if args.onnx:
         report = keras_mp.export_onnx(
             model,
@@ -104,9 +123,15 @@ def export_command(args):
             opset=args.opset,
             verify_data=verify,
             overwrite=args.overwrite,
+            fp16=args.fp16,
         )
         if report is not None:
             print(report)
+        else:
+            print(
+                "No parity check: pass --verify DATA.npy (or --calibrate) to "
+                "compare ONNX Runtime with Keras."
+            )
         lint = keras_mp.check_tensorrt(args.onnx)
         print(lint)
         print("TensorRT build:", keras_mp.trtexec_command(args.onnx, lint))

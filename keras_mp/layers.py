@@ -26,7 +26,9 @@ class QuantizeActivation(keras.layers.Layer):
     """Per-tensor symmetric fake quantization of an activation (Q/DQ).
 
     The range `amax` is a float32 variable: set by `keras_mp.calibrate`, or,
-    if still 0 at the first training step, by that batch's `max|x|`. It
+    if still 0 at the first training step, by that batch's `max|x|` (over
+    the global batch under a `tf.distribute` strategy; a batch holding NaN
+    or Inf is passed over, as the loss scale optimizer skips its step). It
     stays frozen afterwards unless `learned_range=True` (PACT-style
     gradient). Full INT8 range [-128, 127], as ONNX QuantizeLinear.
 
@@ -68,9 +70,10 @@ class QuantizeActivation(keras.layers.Layer):
         amax = self.amax
         if training and not self.learned_range:
             # First training step without calibration: start from the batch.
-            batch_max = tf.reduce_max(tf.abs(tf.cast(inputs, tf.float32)))
             amax = tf.where(
-                self.amax > 0, tf.convert_to_tensor(amax), batch_max
+                self.amax > 0,
+                tf.convert_to_tensor(amax),
+                _global_batch_max(inputs),
             )
             self.amax.assign(amax)
         if self.learned_range:
@@ -84,6 +87,28 @@ class QuantizeActivation(keras.layers.Layer):
         config = super().get_config()
         config.update(num_bits=self.num_bits, learned_range=self.learned_range)
         return config
+
+
+def _global_batch_max(inputs):
+    """`max|x|` over the global batch, or 0 if any replica's batch holds a
+    non-finite value.
+
+    A non-finite batch is one the loss scale optimizer skips: taking no
+    range from it leaves `amax` at 0 for the next batch, as if the skipped
+    batch had not been seen. Under a `tf.distribute` strategy each replica
+    sees only its share of the batch, so the per-replica maxima are gathered
+    and the largest kept; the range (and `amax`, read from the first
+    replica) is then the same on every replica.
+    """
+    x = tf.abs(tf.cast(inputs, tf.float32))
+    finite = tf.reduce_all(tf.math.is_finite(x))
+    # +inf marks a non-finite batch: it wins the max over replicas below.
+    batch_max = tf.where(finite, tf.reduce_max(x), float("inf"))
+    context = tf.distribute.get_replica_context()
+    if context is not None and context.num_replicas_in_sync > 1:
+        gathered = context.all_gather(tf.reshape(batch_max, [1]), axis=0)
+        batch_max = tf.reduce_max(gathered)
+    return tf.where(tf.math.is_finite(batch_max), batch_max, 0.0)
 
 
 def _kernel_view(kernel, axis):

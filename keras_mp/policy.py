@@ -8,6 +8,7 @@ model's output in float32.
 import dataclasses
 
 import keras
+from keras.src.models.functional import Functional
 
 POLICIES = ("mixed_float16", "mixed_bfloat16", "float32", "auto")
 
@@ -193,8 +194,22 @@ def apply_mixed_precision(model, policy=None):
 
     Returns:
         A new `keras.Model` with the same weights.
+
+    Raises:
+        TypeError: `model` is not a Keras 3 model, or is subclassed.
+        ValueError: `policy` is not a known policy name.
     """
     _check_model(model)
+    if not isinstance(model, (keras.Sequential, Functional)):
+        raise TypeError(
+            f"Model {model.name!r} is a subclassed {type(model).__name__}: "
+            "its layers are created in Python code, so they cannot be copied "
+            "under a new policy. Call "
+            "`keras_mp.enable_mixed_precision()` before constructing the "
+            'model (and pass `dtype="float32"` to its normalization, '
+            "softmax and output layers), or rebuild it as a Functional or "
+            "Sequential model."
+        )
     policy = policy or keras.mixed_precision.global_policy().name
     if policy not in POLICIES[:3]:
         raise ValueError(

@@ -250,12 +250,6 @@ def test_precision_switching_matches_single_device(runs, mirrored_strategy):
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="An uncalibrated QuantizeActivation takes its range from the "
-    "first training batch of replica 0 only (aggregation "
-    "'only_first_replica'), not the max over the global batch.",
-)
 def test_uncalibrated_qat_range_comes_from_the_global_batch(
     mirrored_strategy,
 ):

@@ -341,3 +341,19 @@ def test_trtexec_command_has_shapes_for_the_dynamic_batch(tmp_path):
     )
     with pytest.raises(ValueError, match="min <= opt <= max"):
         keras_mp.trtexec_command(path, batch=(8, 4, 2))
+
+
+def test_cli_fp16_export_verifies_on_the_calibration_data(tmp_path, capsys):
+    x = np.random.default_rng(0).random((16, 28, 28, 1), dtype=np.float32)
+    small_cnn().save(tmp_path / "m.keras")
+    np.save(tmp_path / "x.npy", x)
+    out = tmp_path / "m.onnx"
+    argv = ["export", str(tmp_path / "m.keras"), "--onnx", str(out)]
+    code = cli.main(argv + ["--calibrate", str(tmp_path / "x.npy"), "--fp16"])
+    text = capsys.readouterr().out
+    assert code == 0 and "top-1 agreement 100.00%" in text
+    assert "--minShapes=input_0:1x28x28x1" in text
+    proto = onnx.load(out)
+    assert max(o.version for o in proto.opset_import if o.domain == "") == 19
+    assert cli.main(argv + ["--overwrite"]) == 0
+    assert "No parity check" in capsys.readouterr().out

@@ -240,8 +240,6 @@ BAD_INPUTS = [
         lambda e: keras_mp.apply_mixed_precision(e.subclassed),
         TypeError,
         "subclassed.*Functional",
-        bug="apply_mixed_precision(subclassed) ends in AttributeError "
-        "'outputs'; reject it like quantize_model does",
     ),
     Bad(
         "audit_not_a_model",
@@ -1007,8 +1005,7 @@ BAD_CLI = [
         "export_zip_without_config",
         lambda d: ["export", f"{d}/noconfig.keras", "--onnx", f"{d}/o.onnx"],
         "Could not load .*noconfig.keras",
-        "a .keras zip without config.json escapes as KeyError: catch "
-        "every load failure in cli.export_command",
+        None,
     ),
     (
         "export_unsafe_lambda_model",
@@ -1306,12 +1303,6 @@ def test_float16_overflow_skips_the_step_under_qat():
             np.testing.assert_allclose(value, ranges[name], rtol=2**-10)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="QAT on a batch holding NaN before calibration stops deep in TF "
-    "(QuantizeAndDequantizeV3 'Invalid range: input_min nan > input_max "
-    "nan'): the first-batch range takes max|x| over NaN",
-)
 def test_uncalibrated_qat_survives_a_nan_batch_under_loss_scaling():
     x, y = images(32), np.arange(32) % 4
     x[3, 0, 0, 0] = np.nan  # first batch
