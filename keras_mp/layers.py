@@ -77,8 +77,16 @@ class QuantizeActivation(keras.layers.Layer):
             )
             self.amax.assign(amax)
         if self.learned_range:
-            return fake_quant_learned(inputs, amax, num_bits=self.num_bits)
-        return fake_quant(inputs, amax, num_bits=self.num_bits)
+            out = fake_quant_learned(inputs, amax, num_bits=self.num_bits)
+        else:
+            out = fake_quant(inputs, amax, num_bits=self.num_bits)
+        if training:
+            # Under XLA the fake-quant op turns NaN into a finite code, so a
+            # non-finite batch would reach the loss looking finite and the
+            # loss-scale optimizer would not skip it. Training only: the
+            # exported graph keeps plain Q/DQ.
+            out = tf.where(tf.math.is_finite(inputs), out, inputs)
+        return out
 
     def compute_output_shape(self, input_shape):
         return input_shape

@@ -1,7 +1,24 @@
 """Dynamic loss scaling with bounds and counters, and its monitor callback."""
 
+import math
+
 import keras
+import tensorflow as tf
 from keras import ops
+
+
+def _positive_float(name, value):
+    """`value` as a float, or a ValueError naming the argument."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = math.nan
+    if isinstance(value, bool) or not 0 < number < math.inf:
+        raise ValueError(
+            f"`{name}` must be a positive finite number. "
+            f"Received: {name}={value!r}"
+        )
+    return number
 
 
 @keras.saving.register_keras_serializable(package="keras_mp")
@@ -14,7 +31,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     not finite is skipped and the scale halved; after `dynamic_growth_steps`
     finite steps the scale doubles. This subclass keeps the scale within
     `[min_scale, max_scale]` and counts skipped steps, and `compile` does not
-    wrap it again under `mixed_float16`.
+    wrap it again under `mixed_float16`. Under `tf.distribute`, a non-finite
+    gradient on any replica (or worker) skips the step on all of them.
 
     Args:
         inner_optimizer: `keras.optimizers.Optimizer`. The optimizer to wrap.
@@ -27,8 +45,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     Raises:
         TypeError: `inner_optimizer` is not a Keras 3 optimizer.
-        ValueError: `inner_optimizer` is already a `LossScaleOptimizer`, or
-            the bounds are not `0 < min_scale <= initial_scale <= max_scale`.
+        ValueError: `inner_optimizer` is already a `LossScaleOptimizer`, a
+            scale is not a positive finite number, the bounds are not
+            `min_scale <= initial_scale <= max_scale`, or
+            `dynamic_growth_steps` is not a positive integer.
 
     Example:
 
@@ -62,9 +82,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 f"{type(inner_optimizer).__module__}."
                 f"{type(inner_optimizer).__name__}"
             )
-        min_scale, max_scale = float(min_scale), float(max_scale)
-        initial_scale = float(initial_scale)
-        if not 0 < min_scale <= max_scale:
+        min_scale = _positive_float("min_scale", min_scale)
+        max_scale = _positive_float("max_scale", max_scale)
+        initial_scale = _positive_float("initial_scale", initial_scale)
+        if min_scale > max_scale:
             raise ValueError(
                 "Loss scale bounds must satisfy 0 < min_scale <= max_scale. "
                 f"Received: min_scale={min_scale}, max_scale={max_scale}"
@@ -75,15 +96,19 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 f"Received: initial_scale={initial_scale}, "
                 f"min_scale={min_scale}, max_scale={max_scale}"
             )
-        if int(dynamic_growth_steps) < 1:
+        try:
+            steps = int(dynamic_growth_steps)
+        except (TypeError, ValueError, OverflowError):
+            steps = 0
+        if steps < 1 or steps != dynamic_growth_steps:
             raise ValueError(
                 "`dynamic_growth_steps` must be a positive integer. "
-                f"Received: dynamic_growth_steps={dynamic_growth_steps}"
+                f"Received: dynamic_growth_steps={dynamic_growth_steps!r}"
             )
         super().__init__(
             inner_optimizer,
             initial_scale=initial_scale,
-            dynamic_growth_steps=int(dynamic_growth_steps),
+            dynamic_growth_steps=steps,
             name=name,
             **kwargs,
         )
@@ -92,8 +117,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     def build(self, var_list):
         super().build(var_list)
-        # Counters aggregate with "none": every replica sees the same
-        # all-reduced gradients, so each takes the same branch.
+        # Counters aggregate with "none": `_tf_apply` gives every replica
+        # the same finite/non-finite answer, so each takes the same branch.
         self.skipped_counter = self.add_variable(
             shape=(),
             dtype="int",
@@ -114,6 +139,64 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             ops.maximum(self.dynamic_scale, self.min_scale)
         )
         self.skipped_counter.assign_add(1)
+
+    def _all_replicas_finite(self, grads):
+        """Whether the gradients of every replica are finite.
+
+        Each replica holds the gradients of its own share of the batch; they
+        are summed only inside the inner optimizer's update. So a NaN or a
+        float16 overflow on one replica must skip the step on all of them:
+        otherwise the others apply a sum that contains it, and (multi-worker)
+        the replicas take different branches around that sum's collective
+        and wait for each other forever. Graph- and XLA-compatible.
+        """
+        finite = self.check_finite(grads)
+        context = tf.distribute.get_replica_context()
+        if context is None or context.num_replicas_in_sync == 1:
+            return finite
+        non_finite = context.all_reduce(
+            tf.distribute.ReduceOp.SUM,
+            tf.cast(tf.logical_not(finite), "float32"),
+        )
+        return tf.equal(non_finite, 0.0)
+
+    def _tf_apply(self, grads, trainable_variables=None):
+        # Keras' `_tf_apply` with one change: the finite/non-finite decision
+        # is all-reduced across replicas before branching (Keras takes the
+        # first replica's own answer).
+        if tf.distribute.in_cross_replica_context():
+            raise ValueError("apply() must be called in a replica context.")
+        finite = self._all_replicas_finite(grads)
+
+        def finite_step():
+            self._stateful_handle_finite_grads(grads, trainable_variables)
+
+        if tf.__internal__.distribute.strategy_supports_no_merge_call():
+            ops.cond(
+                finite, finite_step, self._stateful_handle_non_finite_grads
+            )
+            return
+
+        def cross_replica_step(distribution, finite, grads, variables):
+            # Every replica holds the same all-reduced `finite`. The cond
+            # runs in cross-replica context: the inner optimizer's update
+            # calls `merge_call`, which a replica-context cond cannot hold.
+            finite = distribution.experimental_local_results(finite)[0]
+
+            def apply_on_each_replica():
+                distribution.extended.call_for_each_replica(
+                    self._stateful_handle_finite_grads, args=(grads, variables)
+                )
+
+            ops.cond(
+                finite,
+                apply_on_each_replica,
+                self._stateful_handle_non_finite_grads,
+            )
+
+        tf.distribute.get_replica_context().merge_call(
+            cross_replica_step, args=(finite, grads, trainable_variables)
+        )
 
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
         raise NotImplementedError(
