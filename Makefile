@@ -35,10 +35,13 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check keras_mp tests benchmarks examples
 	$(VENV)/bin/ruff format --check keras_mp tests benchmarks examples
 
+# Every benchmark; `--setup` creates the peers' side environments
+# (ModelOpt with PyTorch, tfmot with tf_keras) when missing.
 bench: $(STAMP) data
-	for b in mixed_precision quantization sparsity muppet peers; do \
+	for b in mixed_precision quantization sparsity muppet; do \
 		$(PY) benchmarks/bench_$$b.py || exit 1; \
 	done
+	$(PY) benchmarks/bench_peers.py --setup
 
 clean:
 	rm -rf $(VENV) demo-report build *.egg-info
