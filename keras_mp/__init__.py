@@ -56,6 +56,7 @@ from keras_mp.muppet import (
     fixed_point_model,
     plot_precision,
 )
+from keras_mp.permutation import permute_for_sparsity, search_permutation
 from keras_mp.policy import (
     apply_mixed_precision,
     enable_mixed_precision,

@@ -1,33 +1,32 @@
-"""MuPPET precision switching: gradient diversity policy, callback, cost model.
+"""MuPPET precision switching in `fit`: the `PrecisionSwitching` callback.
 
 MuPPET (Rajagopal et al., ICML 2020, arXiv 2006.09049) trains a network in
 8-, 12-, 14- and 16-bit dynamic fixed point before finishing in float32, and
 decides at run time when to move up: when the gradients of successive
 epochs stop carrying new information (their diversity drops well below the
-best seen at this precision). `keras_mp.fixed_point` holds the quantizer and
-the layers; this module holds the policy (`SwitchingPolicy`), the
-`PrecisionSwitching` callback, a GPU cost model (`estimate_speedup`) and
-`plot_precision`.
+best seen at this precision). `keras_mp.fixed_point` builds the fixed-point
+model; `keras_mp.muppet_policy` holds the switching rule; this module runs
+it in `PrecisionSwitching` and re-exports the MuPPET API, with the GPU cost
+model (`estimate_speedup`, from `keras_mp.muppet_cost`) and
+`plot_precision` (`keras_mp.muppet_plot`).
 
 How the policy sees gradients: every `FixedPointWrapper` writes the weight
 gradient of each training step into a variable (`last_gradients`) from
 inside the backward pass, so after an epoch those variables hold that
-epoch's last-minibatch gradients, as in the authors' code. Per step this
-costs one extra write of each weight gradient (the size of the weights, no
-extra FLOPs, no extra forward or backward pass); per epoch the callback
-reads them once into the window sums.
+epoch's last-minibatch gradients, as in the authors' code. The gradient is
+divided by the loss scale before it is written, and a non-finite one (a
+step that loss scaling skips) is not written. Per step this costs one extra
+write of each weight gradient (the size of the weights, no extra FLOPs, no
+extra forward or backward pass); per epoch the callback reads them once
+into the window sums.
 """
 
-import dataclasses
 import math
-import os
-import tempfile
 import warnings
 
 import keras
 import numpy as np
 
-from keras_mp._compat import optional_import
 from keras_mp.fixed_point import (
     FixedPointInput,
     FixedPointWrapper,
@@ -38,6 +37,21 @@ from keras_mp.fixed_point import (
     fixed_point_quantize,
     precision_state,
     set_word_length,
+)
+from keras_mp.fixed_point_wrapper import unscale_recorded_gradients
+from keras_mp.muppet_cost import (
+    GPU_THROUGHPUT,
+    estimate_speedup,
+    precision_unit,
+)
+from keras_mp.muppet_plot import plot_precision
+from keras_mp.muppet_policy import (
+    DEFAULT_SCHEDULE,
+    SwitchingPolicy,
+    check_schedule,
+    gradient_diversity,
+    switching_threshold,
+    tensor_diversities,
 )
 
 __all__ = [
@@ -52,139 +66,10 @@ __all__ = [
     "fixed_point_quantize",
     "gradient_diversity",
     "plot_precision",
+    "precision_unit",
     "set_word_length",
     "switching_threshold",
 ]
-
-DEFAULT_SCHEDULE = (8, 12, 14, 16, None)
-
-
-def switching_threshold(epoch):
-    """MuPPET's threshold `T(e) = 1 + 1.5 exp(-0.1 e)` at global epoch `e`."""
-    return 1.0 + 1.5 * math.exp(-0.1 * epoch)
-
-
-def _tensor_diversities(sums, square_sums):
-    """Per-tensor `sum_e ||g_e||^2 / ||sum_e g_e||^2`, skipping zero sums."""
-    out = []
-    for total, square in zip(sums, square_sums, strict=True):
-        norm = float(np.sum(np.square(total, dtype="float64")))
-        if norm > 0.0:
-            out.append(float(square) / norm)
-    return out
-
-
-def gradient_diversity(gradients):
-    """Gradient diversity of a window of epochs, averaged over tensors.
-
-    For each parameter tensor, `sum_e ||g_e||^2 / ||sum_e g_e||^2` over the
-    epochs `e` of the window (1 / r when all r gradients are equal, large
-    when they point in different directions), then the mean over tensors.
-    Tensors whose gradients sum to zero are left out.
-
-    Args:
-        gradients: list over epochs of lists over parameter tensors (arrays).
-
-    Returns:
-        float, or NaN when every tensor's gradient sum is zero.
-
-    Example:
-
-    >>> gradient_diversity([[np.array([1.0, 0.0])], [np.array([0.0, 1.0])]])
-    1.0
-    """
-    if not gradients:
-        raise ValueError("gradient_diversity() needs at least one epoch.")
-    per_epoch = [[np.asarray(g, "float64") for g in gs] for gs in gradients]
-    sums = [sum(gs) for gs in zip(*per_epoch, strict=True)]
-    squares = [
-        sum(np.sum(g * g) for g in gs) for gs in zip(*per_epoch, strict=True)
-    ]
-    values = _tensor_diversities(sums, squares)
-    return float(np.mean(values)) if values else math.nan
-
-
-def _check_schedule(schedule):
-    if isinstance(schedule, (str, bytes)) or not hasattr(schedule, "__len__"):
-        raise ValueError(
-            f"`schedule` must be a sequence of bit widths ending with None "
-            f"(float32), e.g. {DEFAULT_SCHEDULE}. Received: "
-            f"schedule={schedule!r}"
-        )
-    schedule = tuple(schedule)
-    if len(schedule) < 1 or schedule[-1] is not None:
-        raise ValueError(
-            "`schedule` must end with None (float32) so that training "
-            f"finishes in float32. Received: schedule={schedule!r}. Append "
-            "None, e.g. schedule=(8, 12, 14, 16, None)."
-        )
-    bits = [check_word_length(b, "schedule entry") for b in schedule[:-1]]
-    if any(b == 0 for b in bits) or any(
-        a >= b for a, b in zip(bits, bits[1:], strict=False)
-    ):
-        raise ValueError(
-            "`schedule` bit widths must strictly increase, with None "
-            f"(float32) only at the end. Received: schedule={schedule!r}"
-        )
-    return schedule
-
-
-@dataclasses.dataclass
-class SwitchingPolicy:
-    """MuPPET's switching rule, one check per window of epochs.
-
-    At a check at global epoch `e` with window diversity `d`: the maximum
-    diversity since the last switch becomes `max(max, d)`, `p = max / d`,
-    and the check is a violation when `p > T(e)`. After `patience`
-    violations at one precision, training moves to the next precision and
-    the maximum and the violation count reset. Once at the last stage
-    (float32) `p` and `T` are still reported but nothing switches.
-
-    Attributes:
-        schedule: tuple of bit widths ending with None.
-        patience: int. Violations that trigger a switch (gamma).
-        stage: int. Index of the current precision in `schedule`.
-        violations: int. Violations at the current precision.
-        max_diversity: float. Maximum diversity since the last switch.
-
-    Example:
-
-    >>> policy = SwitchingPolicy((8, None), patience=1)
-    >>> policy.update(2.0, epoch=2)[2]  # p = 1 <= T(2) = 2.23
-    False
-    >>> policy.update(1.0, epoch=5)[2]  # p = 2.0 > T(5) = 1.91: switch
-    True
-    >>> policy.stage
-    1
-    """
-
-    schedule: tuple = DEFAULT_SCHEDULE
-    patience: int = 2
-    stage: int = 0
-    violations: int = 0
-    max_diversity: float = 0.0
-
-    @property
-    def final(self):
-        return self.stage >= len(self.schedule) - 1
-
-    def update(self, diversity, epoch):
-        """Records one check. Returns `(p, T, switched)`."""
-        threshold = switching_threshold(epoch)
-        if not math.isfinite(diversity) or diversity <= 0.0:
-            return math.nan, threshold, False
-        self.max_diversity = max(self.max_diversity, diversity)
-        p = self.max_diversity / diversity
-        if self.final:
-            return p, threshold, False
-        if p > threshold:
-            self.violations += 1
-        if self.violations >= self.patience:
-            self.stage += 1
-            self.violations = 0
-            self.max_diversity = 0.0
-            return p, threshold, True
-        return p, threshold, False
 
 
 def _positive_int(value, name):
@@ -212,8 +97,10 @@ class PrecisionSwitching(keras.callbacks.Callback):
 
     Gradients: each `FixedPointWrapper` records every step's weight
     gradients (one write per step, no extra pass; see `keras_mp.muppet`),
-    and at each epoch end this callback adds the last-minibatch gradients to
-    the window sums kept in the model. The state (stage, violations,
+    divided by the optimizer's loss scale and only when finite (a step that
+    loss scaling skips leaves the previous step's gradients), and at each
+    epoch end this callback adds the last-minibatch gradients to the window
+    sums kept in the model. The state (stage, violations,
     maximum diversity, window sums, held learning rate) lives in model
     variables, so `.keras` files and `keras.callbacks.BackupAndRestore`
     resume it; list this callback *before* `BackupAndRestore` so its
@@ -267,7 +154,7 @@ class PrecisionSwitching(keras.callbacks.Callback):
         verbose=0,
     ):
         super().__init__()
-        self.schedule = _check_schedule(schedule)
+        self.schedule = check_schedule(schedule)
         self.resolution = _positive_int(resolution, "resolution")
         if self.resolution < 2 and epoch_schedule is None:
             raise ValueError(
@@ -353,6 +240,13 @@ class PrecisionSwitching(keras.callbacks.Callback):
             for layer in self._fixed_layers
             if isinstance(layer, FixedPointWrapper)
         ]
+        # Record gradients divided by the loss scale: the policy compares
+        # epochs, which loss scaling would otherwise weigh by their scale.
+        if (
+            unscale_recorded_gradients(self._wrappers, self.model.optimizer)
+            and self.model.train_function is not None
+        ):
+            self.model.make_train_function(force=True)
         stage = int(self._state.stage.numpy())
         if stage >= len(self.schedule):
             raise ValueError(
@@ -394,7 +288,7 @@ class PrecisionSwitching(keras.callbacks.Callback):
             wrapper.gradient_square_sums.assign(
                 np.zeros(wrapper.gradient_square_sums.shape, "float32")
             )
-        values = _tensor_diversities(sums, squares)
+        values = tensor_diversities(sums, squares)
         return float(np.mean(values)) if values else math.nan
 
     def _policy_check(self, epoch):
@@ -457,174 +351,3 @@ class PrecisionSwitching(keras.callbacks.Callback):
             "hold_learning_rate": self.hold_learning_rate,
             "verbose": self.verbose,
         }
-
-
-# Peak dense tensor throughput (TFLOPS / TOPS, no sparsity) from NVIDIA's
-# Turing architecture whitepaper (RTX 2080 Ti at reference clocks) and the
-# T4 datasheet. Turing has no TF32: float32 runs on CUDA cores.
-GPU_THROUGHPUT = {
-    "rtx2080ti": {
-        "name": "NVIDIA GeForce RTX 2080 Ti (Turing TU102)",
-        "fp32": 13.4,
-        "fp16": 53.8,  # FP16 tensor cores with FP32 accumulation
-        "int8": 215.2,
-        "int4": 430.3,
-    },
-    "t4": {
-        "name": "NVIDIA T4 (Turing TU104)",
-        "fp32": 8.1,
-        "fp16": 65.0,
-        "int8": 130.0,
-        "int4": 260.0,
-    },
-}
-
-
-def precision_unit(word_length):
-    """GPU arithmetic assumed for a MuPPET word length (None = float32).
-
-    Up to 4 bits: INT4 tensor cores; 5-8 bits: INT8; 9-16 bits: the 16-bit
-    tensor-core path at the FP16 rate (Turing has no INT16 tensor cores, so
-    this assumes a 16-bit integer GEMM as fast as FP16); wider: FP32.
-    """
-    bits = check_word_length(word_length)
-    if bits == 0 or bits > 16:
-        return "fp32"
-    if bits <= 4:
-        return "int4"
-    return "int8" if bits <= 8 else "fp16"
-
-
-def estimate_speedup(precisions, gpu="rtx2080ti", compute_fraction=0.6):
-    """Estimates the GPU training speed-up of a MuPPET run over float32.
-
-    Amdahl's law per epoch: a share `compute_fraction` of a float32
-    training step (convolutions and matrix products) runs on the unit that
-    `precision_unit()` assigns to the epoch's word length, at the peak
-    throughput of `GPU_THROUGHPUT[gpu]`; the rest (memory-bound element-wise
-    ops, quantization, optimizer, input pipeline) does not speed up.
-    Speed-up = epochs / sum over epochs of relative epoch time. This is an
-    estimate from peak rates: it ignores the cost of quantizing and assumes
-    kernels reach the same share of peak at every precision. It says
-    nothing about the CPU here, where fixed point is only emulated and runs
-    slower than float32.
-
-    Args:
-        precisions: sequence of per-epoch word lengths (None or 32 for
-            float32), e.g. `history.history["precision"]`.
-        gpu: str. Key of `GPU_THROUGHPUT`. Defaults to `"rtx2080ti"`.
-        compute_fraction: float in [0, 1]. Defaults to 0.6.
-
-    Returns:
-        dict with `speedup`, `gpu`, `epochs_per_precision`,
-        `relative_epoch_time` and `assumptions`.
-
-    Example:
-
-    >>> round(estimate_speedup([8, 8, 16, None])["speedup"], 2)
-    1.65
-    """
-    if gpu not in GPU_THROUGHPUT:
-        raise ValueError(
-            f"Unknown `gpu`: {gpu!r}. Choose one of {sorted(GPU_THROUGHPUT)} "
-            "or add its peak rates to keras_mp.muppet.GPU_THROUGHPUT."
-        )
-    if not 0.0 <= compute_fraction <= 1.0:
-        raise ValueError(
-            "`compute_fraction` must be in [0, 1]. Received: "
-            f"compute_fraction={compute_fraction}"
-        )
-    if len(precisions) == 0:
-        raise ValueError("estimate_speedup() needs at least one epoch.")
-    rates = GPU_THROUGHPUT[gpu]
-    counts, relative = {}, {}
-    for bits in precisions:
-        bits = None if bits is None or int(bits) in (0, 32) else int(bits)
-        key = bits or 32
-        counts[key] = counts.get(key, 0) + 1
-        unit = precision_unit(bits)
-        relative[key] = (1.0 - compute_fraction) + compute_fraction * (
-            rates["fp32"] / rates[unit]
-        )
-    total = sum(counts[k] * relative[k] for k in counts)
-    return {
-        "speedup": len(precisions) / total,
-        "gpu": rates["name"],
-        "epochs_per_precision": counts,
-        "relative_epoch_time": relative,
-        "assumptions": (
-            f"{compute_fraction:.0%} of a float32 step in conv/GEMM at peak "
-            f"rates of {rates['name']} (FP32 {rates['fp32']}, FP16 "
-            f"{rates['fp16']}, INT8 {rates['int8']} T(FL)OPS); 9-16 bits at "
-            "the FP16 rate; quantization overhead ignored"
-        ),
-    }
-
-
-def _precision_history(history_or_callback):
-    if isinstance(history_or_callback, PrecisionSwitching):
-        return history_or_callback.history
-    logs = getattr(history_or_callback, "history", history_or_callback)
-    if not isinstance(logs, dict) or "precision" not in logs:
-        raise ValueError(
-            "plot_precision() needs a PrecisionSwitching callback, or the "
-            "History (or its dict) of a fit that used one; received "
-            f"{type(history_or_callback).__name__} without 'precision'."
-        )
-    n = len(logs["precision"])
-    return {
-        "epoch": list(range(n)),
-        "precision": logs["precision"],
-        "p": logs.get("p", [math.nan] * n),
-        "T": logs.get("T", [switching_threshold(e) for e in range(n)]),
-    }
-
-
-def plot_precision(history_or_callback, path):
-    """Plots p(e), T(e) and the precision over epochs to a PNG file.
-
-    Args:
-        history_or_callback: a `PrecisionSwitching` callback, a `History`
-            returned by `fit`, or its `.history` dict.
-        path: str. Output PNG path, written atomically.
-
-    Returns:
-        `path`.
-
-    Raises:
-        ImportError: matplotlib is missing (`pip install keras-mp[plot]`).
-
-    Example:
-
-    >>> plot_precision(history, "precision.png")  # doctest: +SKIP
-    """
-    data = _precision_history(history_or_callback)
-    optional_import("matplotlib")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
-
-    epochs = np.asarray(data["epoch"])
-    fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(7, 5))
-    top.plot(epochs, data["T"], "-", label="T(e) = 1 + 1.5 exp(-0.1 e)")
-    top.plot(epochs, data["p"], "o", label="p = max diversity / diversity")
-    top.set_ylabel("p, T")
-    top.legend()
-    bits = [32 if b is None else b for b in data["precision"]]
-    bottom.step(epochs, bits, where="post")
-    bottom.set_ylabel("word length (bits)")
-    bottom.set_xlabel("epoch")
-    top.set_title("MuPPET precision switching")
-    fig.tight_layout()
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(suffix=".png", dir=folder)
-    os.close(fd)
-    try:
-        fig.savefig(tmp, format="png")
-        os.replace(tmp, path)
-    finally:
-        plt.close(fig)
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    return path

@@ -22,6 +22,7 @@ read and fake-quantize like any other kernel.
 
 import keras
 import numpy as np
+from keras.src.models.functional import Functional
 from keras.src.saving.keras_saveable import KerasSaveable
 
 from keras_mp.selection import layer_matcher
@@ -49,14 +50,19 @@ def value(variable):
     return keras.ops.convert_to_numpy(variable)
 
 
+def check_axis(shape, axis):
+    """Raises a ValueError unless `axis` indexes a kernel of `shape`."""
+    if not -len(shape) <= axis < len(shape):
+        raise ValueError(
+            f"`axis` must index the kernel's {len(shape)} dimensions. "
+            f"Received: axis={axis}, kernel shape {tuple(shape)}"
+        )
+
+
 def _groups(kernel, axis, n, pad):
     """|kernel| moved to `(..., groups, n)`; -1 marks padded channels."""
     w = np.abs(np.asarray(kernel, dtype=np.float64))
-    if not -w.ndim <= axis < w.ndim:
-        raise ValueError(
-            f"`axis` must index the kernel's {w.ndim} dimensions. "
-            f"Received: axis={axis}, kernel shape {w.shape}"
-        )
+    check_axis(w.shape, axis)
     w = np.moveaxis(w, axis, -1)
     channels = w.shape[-1]
     extra = -channels % n
@@ -123,6 +129,9 @@ def is_2_4_sparse(kernel, axis, m=2, n=4, pad=False):
     Returns:
         bool.
 
+    Raises:
+        ValueError: bad `m`/`n`, or `axis` out of range for the kernel.
+
     Example:
 
     >>> is_2_4_sparse(np.array([[0.0], [1.0], [2.0], [0.0]]), axis=0)
@@ -130,6 +139,7 @@ def is_2_4_sparse(kernel, axis, m=2, n=4, pad=False):
     """
     check_m_n(m, n)
     kernel = np.asarray(kernel)
+    check_axis(kernel.shape, axis)
     if kernel.shape[axis] % n and not pad:
         return False
     groups, _ = _groups(kernel, axis, n, pad=True)
@@ -370,7 +380,7 @@ def strip_sparsity(model):
         A new `keras.Model`.
 
     Raises:
-        TypeError: `model` is not a Keras 3 model.
+        TypeError: `model` is not a Keras 3 model, or is subclassed.
 
     Example:
 
@@ -378,6 +388,15 @@ def strip_sparsity(model):
     >>> deploy.export("model", format="onnx")  # doctest: +SKIP
     """
     check_model(model, "strip_sparsity")
+    if not isinstance(model, (keras.Sequential, Functional)):
+        raise TypeError(
+            f"`strip_sparsity` copies a Sequential or Functional model; "
+            f"model {model.name!r} is a subclassed {type(model).__name__}, "
+            "whose graph is Python code that cannot be copied. Its kernels "
+            "already hold the 2:4 zeros; to export it without the "
+            "SparsityMask constraints, rebuild it with the Functional API "
+            "(keras.Model(inputs, outputs)) and copy the weights over."
+        )
     clone = keras.models.clone_model(
         model,
         clone_function=lambda layer: layer.__class__.from_config(

@@ -60,7 +60,9 @@ class StructuredSparsity(keras.callbacks.Callback):
 
     Raises:
         ValueError: bad `m`/`n`, unknown `schedule`, bad steps, or (when
-            `fit` starts) a `layers` selection that matches no layer.
+            `fit` starts) a `layers` selection that matches no layer or
+            selects no layer that can be pruned (the message lists each
+            layer's reason).
 
     Example:
 
@@ -147,8 +149,18 @@ class StructuredSparsity(keras.callbacks.Callback):
         model = self.model
         chosen = select_layers(model, self.layers)
         self._targets, self._done, added = [], False, False
-        for layer in chosen:
-            spec = check_eligible(layer, self.m, self.n, self.pad)
+        specs = [check_eligible(x, self.m, self.n, self.pad) for x in chosen]
+        if all(isinstance(spec, str) for spec in specs):
+            reasons = "; ".join(
+                f"{layer.name}: {spec}" for layer, spec in zip(chosen, specs)
+            )
+            raise ValueError(
+                f"StructuredSparsity found no layer of model '{model.name}' "
+                f"that can be pruned to {self.m}:{self.n}, so `fit` would "
+                "train it dense. "
+                + (f"Skipped: {reasons}." if chosen else "It has no kernel.")
+            )
+        for layer, spec in zip(chosen, specs):
             if isinstance(spec, str):
                 continue
             kernel_attr, constraint_attr, axis = spec

@@ -6,6 +6,7 @@ import numpy as np
 
 from keras_mp._compat import optional_import
 from keras_mp.io import atomic_path
+from keras_mp.permutation import search_permutation
 from keras_mp.sparsity import (
     SparsityMask,
     check_eligible,
@@ -36,6 +37,10 @@ class LayerSparsity:
         kept_magnitude: float or None. Share of the dense sum |w| that m:n
             keeps: recorded at pruning time for a masked layer, otherwise
             what magnitude pruning of the current kernel would keep.
+        kept_magnitude_permuted: float or None. For an unpruned layer, when
+            the report was asked for permutations: the share m:n would keep
+            after the input-channel order `search_permutation` finds
+            (`permute_for_sparsity` applies it where the model allows).
     """
 
     name: str
@@ -48,6 +53,7 @@ class LayerSparsity:
     pattern_valid: bool = None
     fraction_zero: float = None
     kept_magnitude: float = None
+    kept_magnitude_permuted: float = None
 
 
 @dataclasses.dataclass
@@ -77,14 +83,15 @@ class SparsityReport:
             return str(value)
 
         header = ("layer", "type", "eligible", f"{self.m}:{self.n}")
-        header += ("zeros", "kept |w|", "reason")
+        header += ("zeros", "kept |w|", "permuted", "reason")
         lines = [header]
         for r in self.rows:
             lines.append(
                 (r.name, r.class_name, fmt(r.eligible), fmt(r.pattern_valid))
-                + (fmt(r.fraction_zero), fmt(r.kept_magnitude), r.reason or "")
+                + (fmt(r.fraction_zero), fmt(r.kept_magnitude))
+                + (fmt(r.kept_magnitude_permuted), r.reason or "")
             )
-        widths = [max(len(line[i]) for line in lines) for i in range(7)]
+        widths = [max(len(c) for c in column) for column in zip(*lines)]
         text = [
             "  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip()
             for line in lines
@@ -93,7 +100,7 @@ class SparsityReport:
         return "\n".join(text)
 
 
-def _row(layer, m, n, pad):
+def _row(layer, m, n, pad, permutation):
     row = LayerSparsity(layer.name, type(layer).__name__)
     spec = check_eligible(layer, m, n, pad)
     if isinstance(spec, str):
@@ -122,10 +129,13 @@ def _row(layer, m, n, pad):
         total = np.abs(w).sum()
         kept = np.abs(w * magnitude_mask(w, axis, m, n, pad)).sum()
         row.kept_magnitude = float(kept / total) if total else 1.0
+        if permutation and w.shape[axis] % n == 0:
+            found = search_permutation(w, axis, m, n)
+            row.kept_magnitude_permuted = found.kept_magnitude_permuted
     return row
 
 
-def sparsity_report(model, m=2, n=4, layers=None, pad=False):
+def sparsity_report(model, m=2, n=4, layers=None, pad=False, permutation=False):
     """Per-layer m:n sparsity of a model: eligible, valid, zeros, magnitude.
 
     Args:
@@ -136,6 +146,11 @@ def sparsity_report(model, m=2, n=4, layers=None, pad=False):
             None: every layer with a kernel.
         pad: bool. Count channel counts that are not a multiple of `n` as
             zero-padded. Defaults to False.
+        permutation: bool. Also run `search_permutation` on every eligible,
+            unpruned kernel and report the |w| share m:n would keep with the
+            channel order found (`kept_magnitude_permuted`). About 0.1 s
+            for the reference CNN; the time grows with channels times
+            kernel size. Defaults to False.
 
     Returns:
         A `SparsityReport`; `print()` it for a table, `.to_dicts()` for JSON.
@@ -150,12 +165,18 @@ def sparsity_report(model, m=2, n=4, layers=None, pad=False):
     """
     check_model(model, "sparsity_report")
     check_m_n(m, n)
-    rows = [_row(layer, m, n, pad) for layer in select_layers(model, layers)]
+    rows = [
+        _row(layer, m, n, pad, permutation)
+        for layer in select_layers(model, layers)
+    ]
     return SparsityReport(rows, m, n)
 
 
 def plot_sparsity(report_or_model, path, title=None):
     """Bar chart of per-layer zero fraction and kept |w|, written to PNG.
+
+    A report made with `permutation=True` adds a bar for the kept |w| with
+    the channel permutation.
 
     Needs matplotlib (`pip install keras-mp[plot]`). The PNG is written to
     a temporary file first and moved into place, so `path` is never left
@@ -189,10 +210,18 @@ def plot_sparsity(report_or_model, path, title=None):
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     y = np.arange(len(rows))
-    zeros = [r.fraction_zero or 0.0 for r in rows]
-    kept = [r.kept_magnitude or 0.0 for r in rows]
-    ax.barh(y - 0.2, zeros, height=0.4, label="fraction zero")
-    ax.barh(y + 0.2, kept, height=0.4, label="kept |w| fraction")
+    bars = [
+        ("fraction zero", [r.fraction_zero for r in rows]),
+        ("kept |w| fraction", [r.kept_magnitude for r in rows]),
+    ]
+    permuted = [r.kept_magnitude_permuted for r in rows]
+    if any(x is not None for x in permuted):
+        bars.append(("kept |w|, channels permuted", permuted))
+    height = 0.8 / len(bars)
+    for i, (label, values) in enumerate(bars):
+        offset = (i - (len(bars) - 1) / 2) * height
+        values = [0.0 if x is None else x for x in values]
+        ax.barh(y + offset, values, height=height, label=label)
     labels = [r.name if r.eligible else f"{r.name} (skipped)" for r in rows]
     ax.set_yticks(y, labels)
     ax.invert_yaxis()

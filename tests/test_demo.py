@@ -31,8 +31,18 @@ def test_report_covers_every_method(quick_report):
     assert methods["sparse_2_4_qat"]["sparse_2_4_weights"] > 0
     report = (quick_report / "report.md").read_text()
     assert "| qat |" in report and "Tensor Core audit" in report
-    for plot in ("accuracy.png", "latency.png", "sparsity.png"):
+    for plot in (
+        "accuracy.png",
+        "latency.png",
+        "sparsity.png",
+        "loss_scale.png",
+    ):
         assert (quick_report / plot).stat().st_size > 1000
+    # this CPU trains in float32: a short mixed_float16 run shows scaling
+    probe = results["loss_scale_probe"]
+    assert probe["steps"] == 30 and probe["initial_scale"] <= 2.0**15
+    assert probe["final_scale"] >= 1.0 and probe["skipped_steps"] >= 0
+    assert "Dynamic loss scaling (30 mixed_float16 steps" in report
 
 
 def test_rerun_never_loses_a_report(quick_report, capsys):

@@ -590,8 +590,6 @@ BAD_INPUTS = [
         ),
         ValueError,
         r"not a multiple of 4.*pad=True",
-        bug="StructuredSparsity on a model with no prunable layer silently "
-        "trains dense; raise (or warn) with each layer's reason",
     ),
     Bad(
         "strip_sparsity_not_a_model",
@@ -604,16 +602,12 @@ BAD_INPUTS = [
         lambda e: keras_mp.strip_sparsity(e.subclassed),
         TypeError,
         "subclassed",
-        bug="strip_sparsity(subclassed) surfaces clone_model's error about "
-        "`clone_function`/`input_tensors`, arguments the user never passed",
     ),
     Bad(
         "is_2_4_axis_out_of_range",
         lambda e: keras_mp.is_2_4_sparse(np.ones((4, 2)), axis=3),
         ValueError,
         r"`axis` must index the kernel's 2 dimensions. Received: axis=3",
-        bug="is_2_4_sparse(axis out of range) raises a bare IndexError "
-        "'tuple index out of range' (magnitude_mask explains it)",
     ),
     Bad(
         "mask_channels_not_multiple",
@@ -671,8 +665,6 @@ BAD_INPUTS = [
         lambda e: keras_mp.fixed_point_model(tf_keras_like()),
         TypeError,
         "tf_keras",
-        bug="fixed_point_model(non-Keras-3 model) raises ValueError without "
-        "the tf_keras hint; TypeError like quantize_model",
     ),
     Bad(
         "switching_schedule_without_float32",
@@ -763,8 +755,6 @@ BAD_INPUTS = [
         ),
         FileNotFoundError,
         "folder .*no does not exist",
-        bug="plot_precision into a missing folder names a random temporary "
-        "file; write through keras_mp.io.atomic_path as plot_sparsity does",
     ),
     # -- export
     Bad(
@@ -1375,12 +1365,6 @@ def _vectors():
     return rng.normal(size=(64, 16)).astype("float32"), rng.integers(0, 3, 64)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="A skipped (non-finite) step is still recorded as the epoch's "
-    "last gradient: PrecisionSwitching's window sums turn NaN and the "
-    "diversity is NaN for good",
-)
 def test_skipped_step_does_not_poison_precision_switching():
     x, y = _vectors()
     x[-1, 0] = np.nan  # the last batch of every epoch
@@ -1393,12 +1377,6 @@ def test_skipped_step_does_not_poison_precision_switching():
     assert np.isfinite(history["diversity"][1])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="PrecisionSwitching measures diversity on loss-scaled gradients: "
-    "epochs recorded at different loss scales skew it (0.50 without, 0.89 "
-    "with a growing scale, for bit-identical weights)",
-)
 def test_loss_scaling_does_not_change_the_measured_diversity():
     x, y = _vectors()
     plain, plain_history = _fixed_point_run(x, y, keras.optimizers.SGD(0.05))

@@ -112,18 +112,7 @@ def test_signal_stopped_the_process_mid_epoch(runs, name):
     assert run["checkpoint"]["epoch"] == epoch
 
 
-RNG_BUG = (
-    "The stochastic-rounding RNG state of FixedPointWrapper / "
-    "FixedPointInput (their SeedGenerator) is not in the weights, so "
-    "BackupAndRestore and .keras files do not save it: a resumed MuPPET run "
-    "restarts the random sequence and draws different rounding noise"
-)
-BOTH = [
-    "sparse_qat",
-    pytest.param(
-        "muppet", marks=pytest.mark.xfail(strict=True, reason=RNG_BUG)
-    ),
-]
+BOTH = ["sparse_qat", "muppet"]
 
 
 @pytest.mark.parametrize("name", list(rw.SCENARIOS))
@@ -198,7 +187,6 @@ def test_precision_level_and_switch_state_identical(runs):
     assert reference[epoch] == 8.0
 
 
-@pytest.mark.xfail(strict=True, reason=RNG_BUG)
 def test_switching_policy_measurements_identical(runs):
     _same(runs["muppet"], "precision/max_diversity")
 
