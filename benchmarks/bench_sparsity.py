@@ -6,7 +6,10 @@ for E epochs. Then, side by side from the same weights:
 - one-shot 2:4 magnitude pruning, evaluated right away (no retraining);
 - the pruned model retrained E more epochs with `StructuredSparsity`;
 - a dense control trained the same E extra epochs (goal: the sparse model
-  within 0.5 points of it);
+  within 0.5 points of it), for `--seeds` batch orders (mean judged);
+- the retrained 2:4 model quantized, calibrated and fine-tuned one epoch
+  with QAT (masks kept), against the dense control fine-tuned the same
+  extra epoch in float (goal: within 0.8 points);
 - the step time of the sparse fit vs the dense fit, measured in interleaved
   rounds in this one run (goal: <= 10 % overhead);
 - the share of weight magnitude 2:4 keeps with and without a channel
@@ -29,6 +32,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 from _common import markdown_table, write_results  # noqa: E402
 
+import keras_mp  # noqa: E402
 from keras_mp.datasets import load_fashion_mnist  # noqa: E402
 from keras_mp.permutation import permute_for_sparsity  # noqa: E402
 from keras_mp.reference import compile_classifier, reference_cnn  # noqa: E402
@@ -132,10 +136,13 @@ def main():
     parser.add_argument("--width", type=int, default=16)
     parser.add_argument("--timing-rounds", type=int, default=10)
     parser.add_argument("--timing-batches", type=int, default=10)
+    parser.add_argument(
+        "--seeds", type=int, default=3, help="retraining seeds (batch orders)"
+    )
     args = parser.parse_args()
     if args.quick:
         args.train_images, args.epochs = 2048, 1
-        args.timing_rounds, args.timing_batches = 2, 8
+        args.timing_rounds, args.timing_batches, args.seeds = 2, 8, 1
     (x, y), (xt, yt) = load_fashion_mnist()
     x, y = x[: args.train_images], y[: args.train_images]
     fit = dict(batch_size=BATCH, epochs=args.epochs, verbose=2)
@@ -145,27 +152,97 @@ def main():
     dense.fit(x, y, **fit)
     results = {"dense_top1": top1(dense, xt, yt)}
 
-    control = copy_of(dense, args.width)
-    sparse = copy_of(dense, args.width)
-    sparsity = prune_now(sparse)
-    report = sparsity_report(sparse)
-    results["one_shot_top1"] = top1(sparse, xt, yt)
+    one_shot = copy_of(dense, args.width)
+    prune_now(one_shot)
+    report = sparsity_report(one_shot)
+    results["one_shot_top1"] = top1(one_shot, xt, yt)
     permutation = permutation_results(dense, args.width, xt, yt)
     results["one_shot_permuted_top1"] = permutation.pop(
         "one_shot_permuted_top1"
     )
     results["permutation"] = permutation
 
-    keras.utils.set_random_seed(1)
-    control.fit(x, y, **fit)
-    keras.utils.set_random_seed(1)
-    sparse.fit(x, y, callbacks=[sparsity], **fit)
-    results["dense_control_top1"] = top1(control, xt, yt)
-    results["sparse_retrained_top1"] = top1(sparse, xt, yt)
-    stripped = strip_sparsity(sparse)
-    gap = results["dense_control_top1"] - results["sparse_retrained_top1"]
+    # Retraining, once per seed (batch order and dropout-free init of the
+    # fit): dense control and 2:4 from the same dense weights; then sparse +
+    # QAT INT8 (1 epoch, cosine from 1e-4, masks kept) against the control
+    # fine-tuned the same extra epoch in float.
+    runs = []
+    for seed in range(1, args.seeds + 1):
+        control = copy_of(dense, args.width)
+        sparse = copy_of(dense, args.width)
+        sparsity = prune_now(sparse)
+        keras.utils.set_random_seed(seed)
+        control.fit(x, y, **fit)
+        keras.utils.set_random_seed(seed)
+        sparse.fit(x, y, callbacks=[sparsity], **fit)
+        run = {
+            "seed": seed,
+            "dense_control_top1": top1(control, xt, yt),
+            "sparse_retrained_top1": top1(sparse, xt, yt),
+        }
+        qat = keras_mp.quantize_model(sparse)
+        keras_mp.calibrate(qat, x[:2048], method="max", verbose=0)
+        control_ft = copy_of(control, args.width)
+        for model, callbacks in (
+            (control_ft, []),
+            (qat, [StructuredSparsity()]),
+        ):
+            keras.utils.set_random_seed(seed)
+            steps = int(np.ceil(len(x) / BATCH))
+            compile_classifier(
+                model,
+                optimizer=keras.optimizers.Adam(
+                    keras.optimizers.schedules.CosineDecay(1e-4, steps)
+                ),
+            )
+            model.fit(
+                x,
+                y,
+                batch_size=BATCH,
+                epochs=1,
+                verbose=2,
+                callbacks=callbacks,
+            )
+        run["dense_control_plus_1_top1"] = top1(control_ft, xt, yt)
+        run["sparse_qat_int8_top1"] = top1(qat, xt, yt)
+        run["sparse_qat_still_2_4"] = all(
+            keras_mp.is_2_4_sparse(
+                w.layer.kernel.numpy(), 0 if w.layer.kernel.ndim == 2 else -2
+            )
+            for w in qat.layers
+            if isinstance(w, keras_mp.QuantizeWrapper)
+            and w.layer.name in {r.name for r in report.rows if r.eligible}
+        )
+        run["retrained_gap_points"] = round(
+            run["dense_control_top1"] - run["sparse_retrained_top1"], 2
+        )
+        run["sparse_qat_gap_points"] = round(
+            run["dense_control_plus_1_top1"] - run["sparse_qat_int8_top1"], 2
+        )
+        runs.append(run)
+        print(run)
+    results["runs"] = runs
+    for key in (
+        "dense_control_top1",
+        "sparse_retrained_top1",
+        "dense_control_plus_1_top1",
+        "sparse_qat_int8_top1",
+    ):
+        results[key] = round(float(np.mean([r[key] for r in runs])), 2)
+    gaps = np.array([r["retrained_gap_points"] for r in runs])
+    qat_gaps = np.array([r["sparse_qat_gap_points"] for r in runs])
+    gap, qat_gap = float(gaps.mean()), float(qat_gaps.mean())
+    sd = lambda v: float(np.std(v, ddof=1)) if len(v) > 1 else 0.0  # noqa: E731
     results["retrained_gap_points"] = round(gap, 2)
+    results["retrained_gap_sd_points"] = round(sd(gaps), 2)
     results["accuracy_goal_met"] = bool(gap <= 0.5)
+    results["sparse_qat_gap_points"] = round(qat_gap, 2)
+    results["sparse_qat_gap_sd_points"] = round(sd(qat_gaps), 2)
+    results["sparse_qat_goal_met"] = bool(qat_gap <= 0.8)
+    results["sparse_qat_still_2_4"] = all(
+        r["sparse_qat_still_2_4"] for r in runs
+    )
+    stripped = strip_sparsity(sparse)
     report_after = sparsity_report(sparse)
     results["all_pruned_layers_2_4"] = all(
         r.pattern_valid for r in report_after.rows if r.eligible
@@ -225,8 +302,22 @@ def main():
             "one-shot 2:4, channels permuted first, no retraining",
             results["one_shot_permuted_top1"],
         ),
-        ("dense control, +E epochs", results["dense_control_top1"]),
-        ("2:4 retrained, +E epochs", results["sparse_retrained_top1"]),
+        (
+            f"dense control, +E epochs (mean of {args.seeds} seeds)",
+            results["dense_control_top1"],
+        ),
+        (
+            f"2:4 retrained, +E epochs (mean of {args.seeds} seeds)",
+            results["sparse_retrained_top1"],
+        ),
+        (
+            "dense control, +E epochs +1 float fine-tune epoch",
+            results["dense_control_plus_1_top1"],
+        ),
+        (
+            "2:4 retrained, then QAT INT8 1 epoch (masks kept)",
+            results["sparse_qat_int8_top1"],
+        ),
     ]
 
     def fmt(value):
@@ -256,8 +347,34 @@ def main():
         f"training images, E={args.epochs} epochs, batch {BATCH}, 10,000 "
         "test images.\n\n"
         + markdown_table(("model", "test top-1 %"), rows)
-        + f"\n\nRetrained 2:4 vs dense control: {-gap:+.2f} points (goal: "
-        "within 0.5).\n\n"
+        + f"\n\nRetrained 2:4 vs dense control: {-gap:+.2f} points, mean of "
+        f"{args.seeds} seeds (sd {results['retrained_gap_sd_points']:.2f}; "
+        f"goal: within 0.5: {'PASS' if gap <= 0.5 else 'FAIL'}). 2:4 + QAT "
+        f"INT8 vs the dense control with the same extra epoch: "
+        f"{-qat_gap:+.2f} points (sd {results['sparse_qat_gap_sd_points']:.2f}"
+        f"; goal: within 0.8: {'PASS' if qat_gap <= 0.8 else 'FAIL'}); the "
+        "QAT models are still 2:4 sparse: "
+        f"{results['sparse_qat_still_2_4']}.\n\n"
+        + markdown_table(
+            (
+                "seed",
+                "dense control",
+                "2:4 retrained",
+                "control +1 ep",
+                "2:4 + QAT INT8",
+            ),
+            [
+                (
+                    r["seed"],
+                    r["dense_control_top1"],
+                    r["sparse_retrained_top1"],
+                    r["dense_control_plus_1_top1"],
+                    r["sparse_qat_int8_top1"],
+                )
+                for r in runs
+            ],
+        )
+        + "\n\n"
         f"Step time inside `fit`, {args.timing_rounds} A-B-B-A rounds of "
         f"{args.timing_batches} batches: median dense "
         f"{results['step_ms_median']['dense']} ms, 2:4 with the callback "

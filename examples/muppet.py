@@ -42,12 +42,7 @@ SCHEDULE = (8, 12, 14, 16, None)  # word lengths, then float32
 
 def load_data(quick):
     """Fashion-MNIST when installed, else scikit-learn's 8x8 digits."""
-    try:
-        (x, y), (xt, yt) = keras_mp.load_fashion_mnist()
-        name = "Fashion-MNIST"
-    except OSError:  # not installed: apt-get install dataset-fashion-mnist
-        (x, y), (xt, yt) = keras_mp.load_digits()
-        name = "scikit-learn digits (Fashion-MNIST is not installed)"
+    name, (x, y), (xt, yt) = keras_mp.load_images()
     if quick:
         xt, yt = xt[:256], yt[:256]
     return name, (x, y), (xt, yt)

@@ -40,12 +40,7 @@ METHODS = ("max", "percentile", "entropy", "mse")
 
 def load_data(quick):
     """Fashion-MNIST when installed, else scikit-learn's 8x8 digits."""
-    try:
-        (x, y), (xt, yt) = keras_mp.load_fashion_mnist()
-        name = "Fashion-MNIST"
-    except OSError:  # not installed: apt-get install dataset-fashion-mnist
-        (x, y), (xt, yt) = keras_mp.load_digits()
-        name = "scikit-learn digits (Fashion-MNIST is not installed)"
+    name, (x, y), (xt, yt) = keras_mp.load_images()
     # The last images of the training split are held out to choose the
     # calibrator; the test split is only reported.
     if quick:

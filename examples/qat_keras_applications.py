@@ -43,12 +43,7 @@ SIZE = 32  # the smallest input keras.applications.MobileNetV2 accepts
 
 def load_data(quick):
     """Fashion-MNIST when installed, else scikit-learn's 8x8 digits."""
-    try:
-        (x, y), (xt, yt) = keras_mp.load_fashion_mnist()
-        name = "Fashion-MNIST"
-    except OSError:  # not installed: apt-get install dataset-fashion-mnist
-        (x, y), (xt, yt) = keras_mp.load_digits()
-        name = "scikit-learn digits (Fashion-MNIST is not installed)"
+    name, (x, y), (xt, yt) = keras_mp.load_images()
     if quick:
         x, y, xt, yt = x[:512], y[:512], xt[:256], yt[:256]
     else:

@@ -39,12 +39,7 @@ from keras_mp.reference import compile_classifier, reference_cnn  # noqa: E402
 
 def load_data(quick):
     """Fashion-MNIST when installed, else scikit-learn's 8x8 digits."""
-    try:
-        (x, y), (xt, yt) = keras_mp.load_fashion_mnist()
-        name = "Fashion-MNIST"
-    except OSError:  # not installed: apt-get install dataset-fashion-mnist
-        (x, y), (xt, yt) = keras_mp.load_digits()
-        name = "scikit-learn digits (Fashion-MNIST is not installed)"
+    name, (x, y), (xt, yt) = keras_mp.load_images()
     if quick:
         return name, (x[:1024], y[:1024]), (xt[:256], yt[:256])
     return name, (x[:20000], y[:20000]), (xt, yt)

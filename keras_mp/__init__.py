@@ -29,6 +29,7 @@ from keras_mp.config import QuantizeConfig
 from keras_mp.datasets import (
     load_digits,
     load_fashion_mnist,
+    load_images,
 )
 from keras_mp.export import (
     ExportError,

@@ -194,3 +194,30 @@ def load_digits(normalize=True, test_fraction=0.2, seed=0):
     test_mask = np.zeros(len(y), bool)
     test_mask[test_idx] = True
     return (x[~test_mask], y[~test_mask]), (x[test_mask], y[test_mask])
+
+
+def load_images(verbose=True):
+    """Fashion-MNIST when installed, else scikit-learn's digits, said plainly.
+
+    The default real data of the demo and the examples: the Debian package
+    `dataset-fashion-mnist` when present (70,000 28x28 images), otherwise the
+    8x8 digits bundled with scikit-learn (1,797 images).
+
+    Args:
+        verbose: bool. Print a line when falling back to the digits.
+            Defaults to True.
+
+    Returns:
+        `name, (x_train, y_train), (x_test, y_test)`, images float32 in
+        [0, 1] shaped `(N, H, W, 1)`; `name` says which data set it is.
+    """
+    if fashion_mnist_available():
+        (x, y), (xt, yt) = load_fashion_mnist()
+        return "Fashion-MNIST (Debian dataset-fashion-mnist)", (x, y), (xt, yt)
+    if verbose:
+        print(
+            "Fashion-MNIST is not installed (`apt-get install "
+            "dataset-fashion-mnist`); using scikit-learn's 8x8 digits."
+        )
+    (x, y), (xt, yt) = load_digits()
+    return "scikit-learn digits (Fashion-MNIST not installed)", (x, y), (xt, yt)

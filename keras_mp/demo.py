@@ -33,16 +33,7 @@ CALIBRATORS = ("max", "percentile", "entropy", "mse")
 
 def load_demo_data(quick):
     """Fashion-MNIST when installed, else scikit-learn digits (said plainly)."""
-    if datasets.fashion_mnist_available():
-        (x, y), (xt, yt) = datasets.load_fashion_mnist()
-        name = "Fashion-MNIST (Debian dataset-fashion-mnist)"
-    else:
-        print(
-            "Fashion-MNIST is not installed (`apt-get install "
-            "dataset-fashion-mnist`); using scikit-learn's 8x8 digits."
-        )
-        (x, y), (xt, yt) = datasets.load_digits()
-        name = "scikit-learn digits (Fashion-MNIST not installed)"
+    name, (x, y), (xt, yt) = datasets.load_images()
     if quick:
         x, y, xt, yt = x[:6000], y[:6000], xt[:1000], yt[:1000]
     return name, (x, y), (xt, yt)

@@ -66,3 +66,15 @@ def test_digits_split_is_stratified_and_disjoint(digits):
     assert set(np.unique(yt)) == set(range(10))
     with pytest.raises(ValueError, match="test_fraction"):
         datasets.load_digits(test_fraction=1.5)
+
+
+def test_load_images_falls_back_to_digits_and_says_so(
+    tmp_path, monkeypatch, capsys
+):
+    name, (x, _), _ = datasets.load_images()
+    assert name.startswith("Fashion-MNIST") and x.shape[1:] == (28, 28, 1)
+    monkeypatch.setenv(datasets.FASHION_MNIST_ENV, str(tmp_path / "none"))
+    name, (x, y), (xt, _) = datasets.load_images()
+    assert name.startswith("scikit-learn digits") and x.shape[1:] == (8, 8, 1)
+    assert len(x) + len(xt) == 1797 and set(np.unique(y)) == set(range(10))
+    assert "apt-get install dataset-fashion-mnist" in capsys.readouterr().out
