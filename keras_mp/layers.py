@@ -70,21 +70,18 @@ class QuantizeActivation(keras.layers.Layer):
         amax = self.amax
         if training and not self.learned_range:
             # First training step without calibration: start from the batch.
-            amax = tf.where(
-                self.amax > 0,
-                tf.convert_to_tensor(amax),
-                _global_batch_max(inputs),
-            )
+            amax = _first_batch_range(self.amax, inputs)
             self.amax.assign(amax)
         if self.learned_range:
             out = fake_quant_learned(inputs, amax, num_bits=self.num_bits)
         else:
             out = fake_quant(inputs, amax, num_bits=self.num_bits)
-        if training:
+        if training and _in_xla_context():
             # Under XLA the fake-quant op turns NaN into a finite code, so a
             # non-finite batch would reach the loss looking finite and the
-            # loss-scale optimizer would not skip it. Training only: the
-            # exported graph keeps plain Q/DQ.
+            # loss-scale optimizer would not skip it (without XLA the op
+            # keeps NaN itself). Training only: the exported graph keeps
+            # plain Q/DQ; XLA fuses this select into the fake-quant loop.
             out = tf.where(tf.math.is_finite(inputs), out, inputs)
         return out
 
@@ -97,26 +94,43 @@ class QuantizeActivation(keras.layers.Layer):
         return config
 
 
-def _global_batch_max(inputs):
-    """`max|x|` over the global batch, or 0 if any replica's batch holds a
-    non-finite value.
+def _in_xla_context():
+    """True while tracing a function compiled with XLA (`jit_compile`)."""
+    try:
+        from tensorflow.python.framework import ops
+        from tensorflow.python.ops import control_flow_util
+    except ImportError:  # moved in a later TensorFlow: assume XLA
+        return True
+    return control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph())
 
-    A non-finite batch is one the loss scale optimizer skips: taking no
-    range from it leaves `amax` at 0 for the next batch, as if the skipped
-    batch had not been seen. Under a `tf.distribute` strategy each replica
-    sees only its share of the batch, so the per-replica maxima are gathered
-    and the largest kept; the range (and `amax`, read from the first
-    replica) is then the same on every replica.
+
+def _first_batch_range(amax, inputs):
+    """`amax` when calibrated, else `max|x|` of the global batch.
+
+    The reductions over the batch run only while `amax` is 0 (a `tf.cond`:
+    a calibrated model pays nothing for them). Under a strategy the
+    all-gather of the per-replica maxima stays outside the cond, as
+    collectives must, on a scalar.
     """
-    x = tf.abs(tf.cast(inputs, tf.float32))
-    finite = tf.reduce_all(tf.math.is_finite(x))
-    # +inf marks a non-finite batch: it wins the max over replicas below.
-    batch_max = tf.where(finite, tf.reduce_max(x), float("inf"))
+    amax = tf.convert_to_tensor(amax)
+    calibrated = amax > 0
+    local = tf.cond(
+        calibrated, lambda: tf.zeros((), tf.float32), lambda: _batch_max(inputs)
+    )
     context = tf.distribute.get_replica_context()
     if context is not None and context.num_replicas_in_sync > 1:
-        gathered = context.all_gather(tf.reshape(batch_max, [1]), axis=0)
-        batch_max = tf.reduce_max(gathered)
-    return tf.where(tf.math.is_finite(batch_max), batch_max, 0.0)
+        gathered = context.all_gather(tf.reshape(local, [1]), axis=0)
+        local = tf.reduce_max(gathered)
+    local = tf.where(tf.math.is_finite(local), local, 0.0)
+    return tf.where(calibrated, amax, local)
+
+
+def _batch_max(inputs):
+    """`max|x|` of this replica's batch; +inf if it holds a non-finite value
+    (+inf wins the max over replicas, and marks the batch as skipped)."""
+    x = tf.abs(tf.cast(inputs, tf.float32))
+    finite = tf.reduce_all(tf.math.is_finite(x))
+    return tf.where(finite, tf.reduce_max(x), float("inf"))
 
 
 def _kernel_view(kernel, axis):
