@@ -61,6 +61,10 @@ def write_results(name, results, markdown):
         os.path.join(RESULTS, f"{name}.md"), header + markdown + "\n"
     )
     print(markdown)
+    if not name.endswith("_quick"):
+        from render_docs import render
+
+        render()
 
 
 def median_step_time(step, repeats):
