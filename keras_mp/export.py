@@ -443,7 +443,7 @@ def export_onnx(
     inputs_as_nchw=None,
     verify_data=None,
     overwrite=False,
-    min_top1_agreement=0.999,
+    min_top1_agreement=None,
     max_rel_l2=None,
     fp16=False,
 ):
@@ -464,7 +464,8 @@ def export_onnx(
         verify_data: NumPy array. When given, compare ONNX Runtime with
             Keras on it (see `verify_onnx`) before the file lands.
         overwrite: bool. Replace an existing file. Defaults to False.
-        min_top1_agreement: float. Parity tolerance. Defaults to 0.999.
+        min_top1_agreement: float. Parity tolerance. Defaults to 0.999, or
+            0.99 with `fp16=True`.
         max_rel_l2: float. Parity tolerance. Defaults to 0.01, or 0.05 with
             `fp16=True` (float16 arithmetic and float16 scales move the
             logits by about 1% against the float32 Keras model).
@@ -525,6 +526,8 @@ def export_onnx(
         ) from e
     if max_rel_l2 is None:
         max_rel_l2 = 0.05 if fp16 else 0.01
+    if min_top1_agreement is None:
+        min_top1_agreement = 0.99 if fp16 else 0.999
     proto = _fold_weight_qdq(proto)
     proto = onnx_fp16.convert_version(proto, opset)
     if fp16:
