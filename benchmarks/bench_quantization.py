@@ -183,17 +183,7 @@ def main():
         keras.utils.set_random_seed(seed)
         control = keras.models.clone_model(fmodel)
         control.set_weights(float_weights)
-        compile_classifier(control, optimizer=finetune_optimizer(args, steps))
-        control_timer = StepTimer()
-        control.fit(
-            xf,
-            yf,
-            batch_size=BATCH,
-            epochs=1,
-            shuffle=False,
-            verbose=2,
-            callbacks=[control_timer],
-        )
+        control_timer = timed_finetune(control, xf, yf, args, steps)
         control_top1 = top1(control, xt, yt)
 
         keras.utils.set_random_seed(seed)
@@ -201,17 +191,7 @@ def main():
         keras_mp.calibrate(
             qat, xc, method=args.qat_calibrator, batch_size=BATCH, verbose=0
         )
-        compile_classifier(qat, optimizer=finetune_optimizer(args, steps))
-        qat_timer = StepTimer()
-        qat.fit(
-            xf,
-            yf,
-            batch_size=BATCH,
-            epochs=1,
-            shuffle=False,
-            verbose=2,
-            callbacks=[qat_timer],
-        )
+        qat_timer = timed_finetune(qat, xf, yf, args, steps)
         qat_top1 = top1(qat, xt, yt)
         frozen = all(
             abs(float(v) - ptq[args.qat_calibrator]["activation_ranges"][k])
@@ -393,6 +373,22 @@ class StepTimer(keras.callbacks.Callback):
     def median(self):
         # the first steps trace and compile the train function
         return float(np.median(self.times[2:] or self.times))
+
+
+def timed_finetune(model, xf, yf, args, steps):
+    """One fine-tune epoch in the given batch order; returns its StepTimer."""
+    compile_classifier(model, optimizer=finetune_optimizer(args, steps))
+    timer = StepTimer()
+    model.fit(
+        xf,
+        yf,
+        batch_size=BATCH,
+        epochs=1,
+        shuffle=False,
+        verbose=2,
+        callbacks=[timer],
+    )
+    return timer
 
 
 def _activation_ranges(model):
