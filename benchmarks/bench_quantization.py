@@ -21,7 +21,14 @@ The reference CNN is trained in float32, then:
   `--seeds` batch orders and the mean difference is judged.
 - Step time: median wall time of a training step inside those `fit` calls,
   QAT / control, median over seeds (a `train_on_batch` micro-benchmark is
-  reported beside it).
+  reported beside it). The two fine-tunes alternate every `--chunk-steps`
+  steps on the same batches (`_timing.interleaved_fit`): step times on
+  this 2-core VM drift by up to 40 % over minutes. The earlier design, a
+  whole epoch of the control and then a whole epoch of QAT, measured 1.27x
+  -1.32x on every seed of two runs; the same models alternating turns
+  measure 1.08x (per-turn ratios 0.83x-1.31x). What made the second
+  whole epoch slow was not isolated (drift, or the order itself); the
+  alternating design cancels both.
 - Parity: the first seed's QAT model exported to ONNX (float32 and fp16
   graphs) and compared with Keras on the 10,000 test images.
 
@@ -48,6 +55,7 @@ from _common import (  # noqa: E402
     median_step_time,
     write_results,
 )
+from _timing import interleaved_fit  # noqa: E402
 
 import keras_mp  # noqa: E402
 from keras_mp.reference import compile_classifier, reference_cnn  # noqa: E402
@@ -96,12 +104,19 @@ def main():
         default=3,
         help="fine-tune seeds (batch orders) for QAT vs control",
     )
+    parser.add_argument(
+        "--chunk-steps",
+        type=int,
+        default=47,
+        help="fine-tune steps per turn when control and QAT alternate",
+    )
     parser.add_argument("--timing-rounds", type=int, default=5)
     parser.add_argument("--timing-repeats", type=int, default=7)
     args = parser.parse_args()
     if args.quick:
         args.train_images, args.epochs, args.calib_images = 2048, 1, 512
         args.timing_rounds, args.timing_repeats, args.seeds = 3, 3, 2
+        args.chunk_steps = 8
     if args.finetune_epochs is None:  # about 10% of training, at least 1
         args.finetune_epochs = max(1, round(0.1 * args.epochs))
     wall_start = time.perf_counter()
@@ -183,15 +198,14 @@ def main():
         keras.utils.set_random_seed(seed)
         control = keras.models.clone_model(fmodel)
         control.set_weights(float_weights)
-        control_timer = timed_finetune(control, xf, yf, args, steps)
-        control_top1 = top1(control, xt, yt)
-
-        keras.utils.set_random_seed(seed)
         qat = keras_mp.quantize_model(fmodel)
         keras_mp.calibrate(
             qat, xc, method=args.qat_calibrator, batch_size=BATCH, verbose=0
         )
-        qat_timer = timed_finetune(qat, xf, yf, args, steps)
+        control_timer, qat_timer = interleaved_finetune(
+            control, qat, xf, yf, args, steps
+        )
+        control_top1 = top1(control, xt, yt)
         qat_top1 = top1(qat, xt, yt)
         frozen = all(
             abs(float(v) - ptq[args.qat_calibrator]["activation_ranges"][k])
@@ -210,6 +224,12 @@ def main():
                 "step_ratio": round(
                     qat_timer.median() / control_timer.median(), 3
                 ),
+                "chunk_step_ratios": [
+                    round(q / c, 3)
+                    for q, c in zip(
+                        qat_timer.chunk_medians(), control_timer.chunk_medians()
+                    )
+                ],
                 "control_epoch_seconds": round(control_timer.total, 1),
                 "qat_epoch_seconds": round(qat_timer.total, 1),
                 "activation_ranges_unchanged_by_fit": frozen,
@@ -356,39 +376,20 @@ def main():
     write_results("quantization", results, md)
 
 
-class StepTimer(keras.callbacks.Callback):
-    """Wall time of every training step inside `fit`."""
-
-    def __init__(self):
-        super().__init__()
-        self.times, self.total = [], 0.0
-
-    def on_train_batch_begin(self, batch, logs=None):
-        self._start = time.perf_counter()
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.times.append(time.perf_counter() - self._start)
-        self.total += self.times[-1]
-
-    def median(self):
-        # the first steps trace and compile the train function
-        return float(np.median(self.times[2:] or self.times))
-
-
-def timed_finetune(model, xf, yf, args, steps):
-    """One fine-tune epoch in the given batch order; returns its StepTimer."""
-    compile_classifier(model, optimizer=finetune_optimizer(args, steps))
-    timer = StepTimer()
-    model.fit(
+def interleaved_finetune(control, qat, xf, yf, args, steps):
+    """Both fine-tunes on the same batches, alternating every
+    `args.chunk_steps` steps (see `_timing`)."""
+    for model in (control, qat):
+        compile_classifier(model, optimizer=finetune_optimizer(args, steps))
+    timers = interleaved_fit(
+        {"control": (control, []), "qat": (qat, [])},
         xf,
         yf,
-        batch_size=BATCH,
-        epochs=1,
-        shuffle=False,
-        verbose=2,
-        callbacks=[timer],
+        BATCH,
+        steps,
+        args.chunk_steps,
     )
-    return timer
+    return timers["control"], timers["qat"]
 
 
 def _activation_ranges(model):
@@ -522,9 +523,11 @@ def _markdown(args, r, n_train, steps):
         f"{args.finetune_lr:g} over "
         f"{steps} steps, frozen activation ranges; the float32 control gets "
         "the same epochs, batches, order and schedule without quantization. "
-        "Each fine-tune seed gives its own batch order to both. Step time: "
+        "Each fine-tune seed gives its own batch order to both; the two "
+        f"fine-tunes alternate every {args.chunk_steps} steps (A-B, B-A, ...) "
+        "so the machine's drift hits both. Step time: "
         "median wall time of a training step inside `fit` (first two steps "
-        "excluded), QAT / control per seed, median over seeds; "
+        "of each turn excluded), QAT / control per seed, median over seeds; "
         f"`train_on_batch` micro-benchmark: {s['micro_ratio']:.2f}x "
         "(information). jit_compile at its default for both.\n\n"
         + table

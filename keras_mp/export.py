@@ -410,16 +410,38 @@ def verify_onnx(
     Raises:
         ParityError: past a tolerance.
     """
+    return _verify(
+        model, onnx_path, data, min_top1_agreement, max_rel_l2, serve=None
+    )
+
+
+def _keras_outputs(model, inputs, serve=None, batch_size=512):
+    """The model's float32 outputs on `inputs`: through `serve` (the
+    function export_onnx already traced, so no second trace) or
+    `model.predict`."""
+    if serve is None:
+        want = model.predict(
+            inputs if len(inputs) > 1 else inputs[0],
+            batch_size=batch_size,
+            verbose=0,
+        )
+        want = want if isinstance(want, (list, tuple)) else [want]
+        return [np.asarray(w, np.float32) for w in want]
+    chunks = [
+        serve(*[a[i : i + batch_size] for a in inputs])
+        for i in range(0, len(inputs[0]), batch_size)
+    ]
+    return [
+        np.concatenate([np.asarray(c[k], np.float32) for c in chunks])
+        for k in range(len(chunks[0]))
+    ]
+
+
+def _verify(model, onnx_path, data, min_top1_agreement, max_rel_l2, serve):
     inputs = _verify_inputs(model, data)
     if not os.path.isfile(onnx_path):
         raise FileNotFoundError(f"ONNX file not found: {onnx_path}")
-    want = model.predict(
-        inputs if len(inputs) > 1 else inputs[0], batch_size=512, verbose=0
-    )
-    want = [
-        np.asarray(w, np.float32)
-        for w in (want if isinstance(want, (list, tuple)) else [want])
-    ]
+    want = _keras_outputs(model, inputs, serve)
     got = _run(_session(onnx_path, optimized=False), inputs)
     agree, max_diff, mean_diff, rel = _compare(want, got)
     opt_agree, _, _, opt_rel = _compare(
@@ -541,8 +563,13 @@ def export_onnx(
     with atomic_path(path) as tmp:
         onnx.save(proto, tmp)
         if verify_data is not None:
-            report = verify_onnx(
-                model, tmp, verify_data, min_top1_agreement, max_rel_l2
+            report = _verify(
+                model,
+                tmp,
+                verify_data,
+                min_top1_agreement,
+                max_rel_l2,
+                serve=serve,
             )
     return report
 
