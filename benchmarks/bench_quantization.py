@@ -58,7 +58,11 @@ from _common import (  # noqa: E402
 from _timing import interleaved_fit  # noqa: E402
 
 import keras_mp  # noqa: E402
-from keras_mp.reference import compile_classifier, reference_cnn  # noqa: E402
+from keras_mp.reference import (  # noqa: E402
+    compile_classifier,
+    cosine_adam,
+    reference_cnn,
+)
 
 METHODS = ("max", "percentile", "entropy", "mse")
 BATCH = 128
@@ -75,10 +79,7 @@ def top1(model, xt, yt):
 
 
 def finetune_optimizer(args, steps):
-    schedule = keras.optimizers.schedules.CosineDecay(
-        initial_learning_rate=args.finetune_lr, decay_steps=steps
-    )
-    return keras.optimizers.Adam(schedule)
+    return cosine_adam(steps, args.finetune_lr)
 
 
 def main():

@@ -46,7 +46,11 @@ import keras_mp  # noqa: E402
 from keras_mp.datasets import load_fashion_mnist  # noqa: E402
 from keras_mp.demo import QAT_CALIBRATOR  # noqa: E402
 from keras_mp.permutation import permute_for_sparsity  # noqa: E402
-from keras_mp.reference import compile_classifier, reference_cnn  # noqa: E402
+from keras_mp.reference import (  # noqa: E402
+    compile_classifier,
+    cosine_adam,
+    reference_cnn,
+)
 from keras_mp.sparsity import strip_sparsity  # noqa: E402
 from keras_mp.sparsity_callback import StructuredSparsity  # noqa: E402
 from keras_mp.sparsity_report import sparsity_report  # noqa: E402
@@ -165,10 +169,7 @@ def main():
     def cosine(model, lr, total_steps):
         """Adam with cosine decay to 0 over the run: every phase ends at a
         low learning rate, so its top-1 is settled, not a high-LR sample."""
-        schedule = keras.optimizers.schedules.CosineDecay(lr, total_steps)
-        return compile_classifier(
-            model, optimizer=keras.optimizers.Adam(schedule)
-        )
+        return compile_classifier(model, optimizer=cosine_adam(total_steps, lr))
 
     def train(model, seed, epochs, lr, callbacks=()):
         keras.utils.set_random_seed(seed)

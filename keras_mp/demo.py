@@ -23,7 +23,7 @@ from keras_mp.policy import (
     enable_mixed_precision,
     mixed_precision_audit,
 )
-from keras_mp.reference import compile_classifier, reference_cnn
+from keras_mp.reference import compile_classifier, cosine_adam, reference_cnn
 from keras_mp.sparsity_callback import StructuredSparsity
 from keras_mp.sparsity_report import sparsity_report
 from keras_mp.tensorrt import check_tensorrt
@@ -88,8 +88,7 @@ def _eval_batch(n, most=512):
 
 
 def _fine_tune(model, x, y, epochs, callbacks=()):
-    lr = keras.optimizers.schedules.CosineDecay(1e-4, epochs * _steps(x))
-    compile_classifier(model, optimizer=keras.optimizers.Adam(lr))
+    compile_classifier(model, optimizer=cosine_adam(epochs * _steps(x)))
     model.fit(_batches(x, y), epochs=epochs, callbacks=list(callbacks))
     return model
 

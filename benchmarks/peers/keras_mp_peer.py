@@ -35,7 +35,7 @@ from _peer_common import (  # noqa: E402
 
 import keras_mp  # noqa: E402
 from keras_mp.demo import QAT_CALIBRATOR  # noqa: E402
-from keras_mp.reference import compile_classifier  # noqa: E402
+from keras_mp.reference import compile_classifier, cosine_adam  # noqa: E402
 
 METHODS = ("max", "percentile", "entropy", "mse")
 
@@ -89,9 +89,7 @@ def main():
     steps = -(-len(xf) // BATCH)
 
     def optimizer():
-        return keras.optimizers.Adam(
-            keras.optimizers.schedules.CosineDecay(a.lr, decay_steps=steps)
-        )
+        return cosine_adam(steps, a.lr)
 
     keras.utils.set_random_seed(a.seed + 1)
     control = keras.models.clone_model(fmodel)
