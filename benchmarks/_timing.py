@@ -7,7 +7,9 @@ one model's epoch and then another's measures the drift as much as the
 models. `interleaved_fit` trains the models on the same batches in turns
 of `chunk_steps` steps (A-B, B-A, ...); each `fit` call continues the
 optimizer's step count and learning-rate schedule, so the training equals
-one uninterrupted run.
+one uninterrupted run (per-epoch and train-begin/end hooks of other
+callbacks, e.g. EarlyStopping, fire on every turn instead: pass only
+callbacks that act per batch).
 """
 
 import time
@@ -64,7 +66,8 @@ def interleaved_fit(runs, x, y, batch_size, steps, chunk_steps):
                 epochs=1,
                 shuffle=False,
                 verbose=0,
-                callbacks=list(callbacks) + [timers[name]],
+                # first, so the other callbacks' batch hooks are timed too
+                callbacks=[timers[name]] + list(callbacks),
             )
     return timers
 

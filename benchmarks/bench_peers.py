@@ -416,7 +416,7 @@ def assemble(a, w, steps):
             "QAT",
             kmp["qat"]["keras_test_top1"],
             kmp["step_time"],
-            note=f"from PTQ {best}",
+            note=f"from {kmp['qat']['start']} calibration",
         )
     else:
         row("keras_mp PTQ", "keras_mp", "PTQ", error=failed("keras_mp"))

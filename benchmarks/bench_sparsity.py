@@ -44,9 +44,9 @@ from _timing import interleaved_fit, paired_ratio  # noqa: E402
 
 import keras_mp  # noqa: E402
 from keras_mp.datasets import load_fashion_mnist  # noqa: E402
-from keras_mp.demo import QAT_CALIBRATOR  # noqa: E402
 from keras_mp.permutation import permute_for_sparsity  # noqa: E402
 from keras_mp.reference import (  # noqa: E402
+    QAT_CALIBRATOR,
     compile_classifier,
     cosine_adam,
     reference_cnn,
@@ -165,6 +165,8 @@ def main():
         args.timing_turns, args.chunk_steps, args.seeds = 2, 8, 1
     (x, y), (xt, yt) = load_fashion_mnist()
     x, y = x[: args.train_images], y[: args.train_images]
+    if len(x) < BATCH:
+        parser.error(f"--train-images must be at least {BATCH} (one batch)")
 
     def cosine(model, lr, total_steps):
         """Adam with cosine decay to 0 over the run: every phase ends at a
@@ -183,6 +185,7 @@ def main():
         return model
 
     start = time.perf_counter()
+    keras.utils.set_random_seed(0)  # the initial weights too
     dense = train(reference_cnn(width=args.width), 0, args.epochs, args.lr)
     epoch_seconds = (time.perf_counter() - start) / args.epochs
     results = {"dense_top1": top1(dense, xt, yt)}
@@ -273,7 +276,7 @@ def main():
     # train on the same batches in alternating turns (see _timing), so the
     # machine's drift hits both; the overhead is the median of the per-turn
     # ratios of the median step.
-    timing_steps = args.timing_turns * args.chunk_steps
+    timing_steps = min(args.timing_turns * args.chunk_steps, len(x) // BATCH)
     xs, ys = x[: timing_steps * BATCH], y[: timing_steps * BATCH]
     for model in (control, sparse):
         cosine(model, 1e-4, timing_steps)

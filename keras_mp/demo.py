@@ -23,15 +23,18 @@ from keras_mp.policy import (
     enable_mixed_precision,
     mixed_precision_audit,
 )
-from keras_mp.reference import compile_classifier, cosine_adam, reference_cnn
+from keras_mp.reference import (
+    QAT_CALIBRATOR,
+    compile_classifier,
+    cosine_adam,
+    reference_cnn,
+)
 from keras_mp.sparsity_callback import StructuredSparsity
 from keras_mp.sparsity_report import sparsity_report
 from keras_mp.tensorrt import check_tensorrt
 
 CALIBRATORS = ("max", "percentile", "entropy", "mse")
 
-
-QAT_CALIBRATOR = "percentile"
 
 BATCH = 128
 
@@ -83,8 +86,10 @@ def _steps(x):
 
 
 def _eval_batch(n, most=512):
-    """The largest batch <= `most` that divides `n` (one traced shape)."""
-    return next(b for b in range(min(most, n), 0, -1) if n % b == 0)
+    """The largest batch <= `most` that divides `n` (one traced shape), or
+    `most` when that batch would be small (a second trace is cheaper)."""
+    best = next(b for b in range(min(most, n), 0, -1) if n % b == 0)
+    return best if best >= min(64, n) else most
 
 
 def _fine_tune(model, x, y, epochs, callbacks=()):

@@ -9,6 +9,10 @@ sparsity).
 import keras
 from keras import layers
 
+# Calibration QAT starts from: percentile 99.99, not the best PTQ
+# calibrator (benchmarks/bench_quantization.py, docs/quantization.md).
+QAT_CALIBRATOR = "percentile"
+
 
 def reference_cnn(input_shape=(28, 28, 1), num_classes=10, width=32):
     """Builds the reference CNN (Functional, about 30k parameters at width 32).
@@ -72,9 +76,10 @@ def compile_classifier(model, learning_rate=1e-3, optimizer=None, **kwargs):
 def cosine_adam(steps, learning_rate=1e-4):
     """Adam with the learning rate cosine-decayed to 0 over `steps`.
 
-    The fine-tune recipe of the demo and the benchmarks: QAT and the float
-    control it is compared with (small rate, about 10% of the original
-    epochs), and retraining after a 2:4 prune (the original rate).
+    The schedule of the demo's and the benchmarks' fine-tunes: QAT and the
+    float control it is compared with (rate 1e-4, about 10% of the
+    original epochs); `bench_sparsity.py` also trains and retrains with it
+    at the original rate.
 
     Args:
         steps: int. Training steps of the whole run.

@@ -34,8 +34,11 @@ from _peer_common import (  # noqa: E402
 )
 
 import keras_mp  # noqa: E402
-from keras_mp.demo import QAT_CALIBRATOR  # noqa: E402
-from keras_mp.reference import compile_classifier, cosine_adam  # noqa: E402
+from keras_mp.reference import (  # noqa: E402
+    QAT_CALIBRATOR,
+    compile_classifier,
+    cosine_adam,
+)
 
 METHODS = ("max", "percentile", "entropy", "mse")
 
