@@ -28,7 +28,12 @@ The reference CNN is trained in float32, then:
   earlier design, a whole epoch of the control and then a whole epoch of
   QAT, measured 1.27x-1.32x on every seed of two runs; the first run with
   alternating turns measured per-seed 1.01x / 1.16x / 1.12x (turn ratios
-  0.83x-1.31x). What made the second whole epoch slow was not isolated.
+  0.83x-1.31x). It is not the order: one uninterrupted epoch each, QAT
+  first, measured 1.26x, control first 1.19x (a separate script). So a
+  QAT step inside a long `fit` costs about 1.2x-1.3x of a float step here
+  while the same steps in 47-step turns (or `train_on_batch`) cost about
+  1.1x; why was not found. The whole-epoch figure is printed beside the
+  goal line (QAT first) so the gap stays visible.
 - Parity: the first seed's QAT model exported to ONNX (float32 and fp16
   graphs) and compared with Keras on the 10,000 test images.
 
@@ -288,7 +293,37 @@ def main():
         }
         print(("fp16 " if fp16 else "float32 ") + str(rep))
 
-    # 5. Micro step time: train_on_batch on one batch, interleaved rounds
+    # 5. Whole-epoch check (information): fresh copies fine-tuned one
+    # uninterrupted epoch each, QAT first, on the first seed's order. A
+    # separate experiment measured 1.19x-1.26x this way in both orders
+    # while alternating turns measured 1.01x-1.16x per seed.
+    whole = {}
+    if not args.quick:
+        rng = np.random.default_rng(args.seed + 1)
+        order = rng.permutation(len(x))
+        steps1 = int(np.ceil(len(x) / BATCH))
+        for name in ("qat", "control"):
+            if name == "qat":
+                m = keras_mp.quantize_model(fmodel)
+                keras_mp.calibrate(
+                    m,
+                    xc,
+                    method=args.qat_calibrator,
+                    batch_size=BATCH,
+                    verbose=0,
+                )
+            else:
+                m = keras.models.clone_model(fmodel)
+                m.set_weights(float_weights)
+            compile_classifier(m, optimizer=finetune_optimizer(args, steps1))
+            timer = interleaved_fit(
+                {name: (m, [])}, x[order], y[order], BATCH, steps1, steps1
+            )[name]
+            whole[name] = timer.median()
+        whole["ratio"] = whole["qat"] / whole["control"]
+        print(f"whole-epoch fits, QAT first: {whole['ratio']:.3f}x")
+
+    # 6. Micro step time: train_on_batch on one batch, interleaved rounds
     # (information; the goal uses the in-fit step times above).
     xb, yb = x[:BATCH], y[:BATCH]
     pair = {"float32": control, "qat": qat}
@@ -369,6 +404,9 @@ def main():
         },
         "step_time": {
             "in_fit_ratio_median": round(ratio, 3),
+            "whole_epoch_fits_qat_first": {
+                k: round(v, 4) for k, v in whole.items()
+            },
             "micro_float32_seconds": round(step["float32"], 4),
             "micro_qat_seconds": round(step["qat"], 4),
             "micro_ratio": round(micro_ratio, 3),
@@ -508,7 +546,7 @@ def _markdown(args, r, n_train, steps):
             "PASS" if g["qat_within_0.1_of_control"]["pass"] else "FAIL",
         ),
         (
-            "QAT step time / float32 <= 1.15 (in fit)",
+            "QAT step time / float32 <= 1.15 (in fit, alternating turns)",
             f"{g['qat_step_time_ratio_at_most_1.15']['measured_ratio']:.2f}x",
             "PASS" if g["qat_step_time_ratio_at_most_1.15"]["pass"] else "FAIL",
         ),
@@ -540,7 +578,15 @@ def _markdown(args, r, n_train, steps):
         f"{min(min(r['chunk_step_ratios']) for r in runs):.2f}x-"
         f"{max(max(r['chunk_step_ratios']) for r in runs):.2f}x over all "
         "turns); the goal takes the median over seeds; "
-        f"`train_on_batch` micro-benchmark: {s['micro_ratio']:.2f}x "
+        + (
+            "one uninterrupted epoch each instead (QAT first, seed "
+            f"{args.seed + 1}'s order): "
+            f"{s['whole_epoch_fits_qat_first']['ratio']:.2f}x, not explained "
+            "(see the script's docstring); "
+            if s["whole_epoch_fits_qat_first"]
+            else ""
+        )
+        + f"`train_on_batch` micro-benchmark: {s['micro_ratio']:.2f}x "
         "(information). jit_compile at its default for both.\n\n"
         + table
         + "\n\nPer fine-tune seed:\n\n"
