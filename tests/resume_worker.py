@@ -280,7 +280,13 @@ def _pause_for_kill(out_dir, at):
                 with open(ready + ".tmp", "w") as f:
                     f.write(json.dumps({"epoch": self.epoch, "batch": batch}))
                 os.replace(ready + ".tmp", ready)  # never seen half-written
-                time.sleep(600)
+                # Short sleeps: the kernel may deliver the signal to one of
+                # TensorFlow's threads, and then a long sleep in the main
+                # thread is not interrupted (CPython raises KeyboardInterrupt
+                # only when the main thread next runs bytecode).
+                deadline = time.monotonic() + 600
+                while time.monotonic() < deadline:
+                    time.sleep(0.05)
 
     return PauseForKill()
 
