@@ -36,6 +36,7 @@ model; `worker` mode patches it first (see `_patch_keras_multi_worker_fit`).
 
 import json
 import os
+import signal
 import sys
 import time
 
@@ -343,6 +344,10 @@ def _save(path, arrays):
 
 def main(argv):
     name, mode, out_dir = argv
+    # Ctrl-C semantics whatever the parent left us: a shell starts
+    # background jobs (`cmd &`) with SIGINT ignored, children inherit that,
+    # and Python then never raises KeyboardInterrupt (CI hung on it).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     import keras
     import tensorflow as tf
 
