@@ -73,9 +73,14 @@ def interleaved_fit(runs, x, y, batch_size, steps, chunk_steps):
 
 
 def paired_ratio(timers, a, b):
-    """Median of per-turn ratios b/a, and the ratio of the overall medians."""
+    """Step-time ratio b/a: `(per-turn ratios, their median, ratio of the
+    overall medians)`."""
     per_turn = [
         q / c
         for q, c in zip(timers[b].chunk_medians(), timers[a].chunk_medians())
     ]
-    return float(np.median(per_turn)), timers[b].median() / timers[a].median()
+    return (
+        per_turn,
+        float(np.median(per_turn)),
+        timers[b].median() / timers[a].median(),
+    )

@@ -188,6 +188,17 @@ def main():
     # Selected on test top-1 as issue 3 asks ("best PTQ"); ties -> first.
     best = max(METHODS, key=lambda m: ptq[m]["test_top1"])
 
+    def fresh_pair():
+        """The float control (a copy of the float model) and the QAT model
+        (quantized and calibrated with --qat-calibrator), fresh."""
+        control = keras.models.clone_model(fmodel)
+        control.set_weights(float_weights)
+        qat = keras_mp.quantize_model(fmodel)
+        keras_mp.calibrate(
+            qat, xc, method=args.qat_calibrator, batch_size=BATCH, verbose=0
+        )
+        return control, qat
+
     # 3. QAT vs float32 control, once per fine-tune seed: same batches (one
     # fixed permutation per epoch from the seed, shuffle=False), same
     # optimizer and cosine schedule. Each seed starts from the same float
@@ -204,14 +215,12 @@ def main():
         steps = int(np.ceil(len(xf) / BATCH))
 
         keras.utils.set_random_seed(seed)
-        control = keras.models.clone_model(fmodel)
-        control.set_weights(float_weights)
-        qat = keras_mp.quantize_model(fmodel)
-        keras_mp.calibrate(
-            qat, xc, method=args.qat_calibrator, batch_size=BATCH, verbose=0
-        )
+        control, qat = fresh_pair()
         control_timer, qat_timer = interleaved_finetune(
             control, qat, xf, yf, args, steps
+        )
+        turns, per_turn, of_medians = paired_ratio(
+            {"control": control_timer, "qat": qat_timer}, "control", "qat"
         )
         control_top1 = top1(control, xt, yt)
         qat_top1 = top1(qat, xt, yt)
@@ -230,21 +239,9 @@ def main():
                 "control_step_ms": round(1000 * control_timer.median(), 2),
                 "qat_step_ms": round(1000 * qat_timer.median(), 2),
                 # the median of the per-turn ratios, as bench_sparsity
-                "step_ratio": round(
-                    paired_ratio(
-                        {"c": control_timer, "q": qat_timer}, "c", "q"
-                    )[0],
-                    3,
-                ),
-                "ratio_of_medians": round(
-                    qat_timer.median() / control_timer.median(), 3
-                ),
-                "chunk_step_ratios": [
-                    round(q / c, 3)
-                    for q, c in zip(
-                        qat_timer.chunk_medians(), control_timer.chunk_medians()
-                    )
-                ],
+                "step_ratio": round(per_turn, 3),
+                "ratio_of_medians": round(of_medians, 3),
+                "chunk_step_ratios": [round(r, 3) for r in turns],
                 "control_epoch_seconds": round(control_timer.total, 1),
                 "qat_epoch_seconds": round(qat_timer.total, 1),
                 "activation_ranges_unchanged_by_fit": frozen,
@@ -303,19 +300,9 @@ def main():
         rng = np.random.default_rng(args.seed + 1)
         order = rng.permutation(len(x))
         steps1 = int(np.ceil(len(x) / BATCH))
+        models = dict(zip(("control", "qat"), fresh_pair()))
         for name in ("qat", "control"):
-            if name == "qat":
-                m = keras_mp.quantize_model(fmodel)
-                keras_mp.calibrate(
-                    m,
-                    xc,
-                    method=args.qat_calibrator,
-                    batch_size=BATCH,
-                    verbose=0,
-                )
-            else:
-                m = keras.models.clone_model(fmodel)
-                m.set_weights(float_weights)
+            m = models[name]
             compile_classifier(m, optimizer=finetune_optimizer(args, steps1))
             timer = interleaved_fit(
                 {name: (m, [])}, x[order], y[order], BATCH, steps1, steps1

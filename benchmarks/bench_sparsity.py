@@ -43,7 +43,10 @@ from _common import markdown_table, write_results  # noqa: E402
 from _timing import interleaved_fit, paired_ratio  # noqa: E402
 
 import keras_mp  # noqa: E402
-from keras_mp.datasets import load_fashion_mnist  # noqa: E402
+from keras_mp.datasets import (  # noqa: E402
+    load_fashion_mnist,
+    shuffled_batches,
+)
 from keras_mp.permutation import permute_for_sparsity  # noqa: E402
 from keras_mp.reference import (  # noqa: E402
     QAT_CALIBRATOR,
@@ -129,19 +132,6 @@ def permutation_results(dense, width, xt, yt):
     }
 
 
-def _batches(x, y, seed):
-    """Shuffled batches of 128, ragged remainder dropped (one traced shape;
-    each epoch drops a different remainder)."""
-    import tensorflow as tf
-
-    return (
-        tf.data.Dataset.from_tensor_slices((x, y))
-        .shuffle(len(x), seed=seed, reshuffle_each_iteration=True)
-        .batch(BATCH, drop_remainder=True)
-        .prefetch(2)
-    )
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="smoke run")
@@ -177,7 +167,7 @@ def main():
         keras.utils.set_random_seed(seed)
         cosine(model, lr, epochs * (len(x) // BATCH))
         model.fit(
-            _batches(x, y, seed),
+            shuffled_batches(x, y, BATCH, seed),
             epochs=epochs,
             verbose=2,
             callbacks=list(callbacks),
@@ -288,7 +278,7 @@ def main():
         timing_steps,
         args.chunk_steps,
     )
-    per_turn, of_medians = paired_ratio(timers, "dense", "sparse")
+    turns, per_turn, of_medians = paired_ratio(timers, "dense", "sparse")
     overhead = 100 * (per_turn - 1)
     results["step_ms_median"] = {
         k: round(1000 * t.median(), 2) for k, t in timers.items()
@@ -297,12 +287,7 @@ def main():
     results["step_overhead_percent_of_medians"] = round(
         100 * (of_medians - 1), 1
     )
-    results["turn_ratios"] = [
-        round(s / d, 3)
-        for s, d in zip(
-            timers["sparse"].chunk_medians(), timers["dense"].chunk_medians()
-        )
-    ]
+    results["turn_ratios"] = [round(r, 3) for r in turns]
     results["dense_epoch_seconds"] = round(epoch_seconds, 1)
     results["overhead_goal_met"] = bool(overhead <= 10)
     results["layers"] = [

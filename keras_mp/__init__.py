@@ -30,6 +30,7 @@ from keras_mp.datasets import (
     load_digits,
     load_fashion_mnist,
     load_images,
+    shuffled_batches,
 )
 from keras_mp.export import (
     ExportError,

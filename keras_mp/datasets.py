@@ -221,3 +221,35 @@ def load_images(verbose=True):
         )
     (x, y), (xt, yt) = load_digits()
     return "scikit-learn digits (Fashion-MNIST not installed)", (x, y), (xt, yt)
+
+
+def shuffled_batches(x, y, batch_size=128, seed=0):
+    """A `tf.data.Dataset` of shuffled `(x, y)` batches, ragged last batch
+    dropped.
+
+    Every batch has one shape, so `fit` traces and compiles its train step
+    once (a smaller last batch would compile it a second time); each epoch
+    reshuffles and so drops a different remainder.
+
+    Args:
+        x, y: arrays with the same first dimension.
+        batch_size: int. At most this many examples per batch (all of them
+            when there are fewer). Defaults to 128.
+        seed: int. Shuffle seed. Defaults to 0.
+
+    Returns:
+        A `tf.data.Dataset`.
+    """
+    import tensorflow as tf
+
+    if len(x) != len(y) or len(x) == 0:
+        raise ValueError(
+            f"x and y need the same, nonzero number of examples. Received: "
+            f"len(x)={len(x)}, len(y)={len(y)}"
+        )
+    return (
+        tf.data.Dataset.from_tensor_slices((x, y))
+        .shuffle(len(x), seed=seed, reshuffle_each_iteration=True)
+        .batch(min(batch_size, len(x)), drop_remainder=True)
+        .prefetch(2)
+    )

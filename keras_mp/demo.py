@@ -68,21 +68,6 @@ def _latency_ms(path, x, repeats):
     return 1000 * float(np.median(times))
 
 
-def _batches(x, y, seed=0):
-    """Shuffled batches of 128 without the ragged last batch: a batch of
-    another size would trace and compile every train step a second time
-    (each epoch drops a different remainder)."""
-    import tensorflow as tf
-
-    batch = min(BATCH, len(x))
-    return (
-        tf.data.Dataset.from_tensor_slices((x, y))
-        .shuffle(len(x), seed=seed, reshuffle_each_iteration=True)
-        .batch(batch, drop_remainder=True)
-        .prefetch(2)
-    )
-
-
 def _steps(x):
     return max(1, len(x) // BATCH)
 
@@ -97,7 +82,11 @@ def _eval_batch(n, most=512):
 def _fine_tune(model, x, y, epochs, callbacks=(), learning_rate=1e-4):
     optimizer = cosine_adam(epochs * _steps(x), learning_rate)
     compile_classifier(model, optimizer=optimizer)
-    model.fit(_batches(x, y), epochs=epochs, callbacks=list(callbacks))
+    model.fit(
+        datasets.shuffled_batches(x, y, BATCH),
+        epochs=epochs,
+        callbacks=list(callbacks),
+    )
     return model
 
 
@@ -167,7 +156,11 @@ def _loss_scale_probe(x, y, width, steps):
         compile_classifier(model, optimizer=optimizer)
         monitor = LossScaleMonitor()
         n = min(len(x), steps * BATCH)
-        model.fit(_batches(x[:n], y[:n], seed=1), epochs=1, callbacks=[monitor])
+        model.fit(
+            datasets.shuffled_batches(x[:n], y[:n], BATCH, seed=1),
+            epochs=1,
+            callbacks=[monitor],
+        )
     return monitor.scale_history, {
         "policy": "mixed_float16",
         "steps": _steps(x[:n]),
@@ -218,7 +211,11 @@ def run_demo(output="demo-report", quick=False, overwrite=False):
     compile_classifier(model, optimizer=optimizer)
     monitor = LossScaleMonitor()
     start = time.perf_counter()
-    model.fit(_batches(x, y), epochs=epochs, callbacks=[monitor])
+    model.fit(
+        datasets.shuffled_batches(x, y, BATCH),
+        epochs=epochs,
+        callbacks=[monitor],
+    )
     results["train_seconds"] = round(time.perf_counter() - start, 1)
     results["policy"] = {"name": policy, "reason": previous.reason}
     scale_history = monitor.scale_history

@@ -78,3 +78,14 @@ def test_load_images_falls_back_to_digits_and_says_so(
     assert name.startswith("scikit-learn digits") and x.shape[1:] == (8, 8, 1)
     assert len(x) + len(xt) == 1797 and set(np.unique(y)) == set(range(10))
     assert "apt-get install dataset-fashion-mnist" in capsys.readouterr().out
+
+
+def test_shuffled_batches_have_one_shape_and_reject_bad_input():
+    x = np.arange(300, dtype="float32").reshape(300, 1)
+    y = np.arange(300)
+    shapes = {tuple(b[0].shape) for b in datasets.shuffled_batches(x, y, 128)}
+    assert shapes == {(128, 1)}  # 2 full batches, the 44 left over dropped
+    small = list(datasets.shuffled_batches(x[:5], y[:5], 128))
+    assert len(small) == 1 and small[0][0].shape[0] == 5
+    with pytest.raises(ValueError, match="same, nonzero number"):
+        datasets.shuffled_batches(x, y[:10])
