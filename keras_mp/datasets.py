@@ -232,7 +232,8 @@ def shuffled_batches(x, y, batch_size=128, seed=0):
     reshuffles and so drops a different remainder.
 
     Args:
-        x, y: arrays with the same first dimension.
+        x: array of inputs.
+        y: array of labels, as many as `x`.
         batch_size: int. At most this many examples per batch (all of them
             when there are fewer). Defaults to 128.
         seed: int. Shuffle seed. Defaults to 0.
