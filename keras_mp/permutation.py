@@ -370,7 +370,14 @@ def permute_for_sparsity(model, m=2, n=4, layers=None, max_swaps=None):
     check_model(model, "permute_for_sparsity")
     check_m_n(m, n)
     graph, nodes, consumers, outputs = _graph(model)
-    if getattr(model, "optimizer", None) is not None and model.optimizer.built:
+    optimizer = getattr(model, "optimizer", None)
+    # A built optimizer that never stepped (e.g. `clone_model` of a compiled
+    # model) holds only its initial state: nothing to permute.
+    if (
+        optimizer is not None
+        and optimizer.built
+        and int(keras.ops.convert_to_numpy(optimizer.iterations)) > 0
+    ):
         warnings.warn(
             "permute_for_sparsity: the optimizer of this model has state "
             "that is not permuted; compile with a fresh optimizer before "

@@ -20,6 +20,8 @@ ordinary variable holding the masked values, which a quantize wrapper can
 read and fake-quantize like any other kernel.
 """
 
+import math
+
 import keras
 import numpy as np
 from keras.src.models.functional import Functional
@@ -200,7 +202,29 @@ def input_channel_axis(layer):
     return f"{type(layer).__name__} is not a supported layer type"
 
 
-def check_eligible(layer, m=2, n=4, pad=False):
+# NVIDIA ASP (apex.contrib.sparsity) prunes a weight only when its output
+# channels are a multiple of 8 and its input channels a multiple of 16, the
+# shapes sparse Tensor Core kernels take; TensorRT runs other layers dense.
+ALIGNED_OUTPUT_CHANNELS = 8
+ALIGNED_INPUT_CHANNELS = 16
+
+
+def output_channels(layer, kernel, axis):
+    """Output channels (GEMM N) of a prunable kernel."""
+    layers = keras.layers
+    transposed = (
+        layers.Conv1DTranspose,
+        layers.Conv2DTranspose,
+        layers.Conv3DTranspose,
+    )
+    if isinstance(layer, transposed):
+        return kernel.shape[-2]
+    if isinstance(layer, layers.EinsumDense):
+        return math.prod(kernel.shape) // kernel.shape[axis]
+    return kernel.shape[-1]
+
+
+def check_eligible(layer, m=2, n=4, pad=False, skip_unaligned=False):
     """The prunable spec of a built layer, or the reason it is skipped."""
     spec = input_channel_axis(layer)
     if isinstance(spec, str):
@@ -213,6 +237,16 @@ def check_eligible(layer, m=2, n=4, pad=False):
         return (
             f"{channels} input channels, not a multiple of {n} "
             "(pass pad=True to zero-pad)"
+        )
+    outputs = output_channels(layer, kernel, spec[2])
+    if skip_unaligned and (
+        outputs % ALIGNED_OUTPUT_CHANNELS or channels % ALIGNED_INPUT_CHANNELS
+    ):
+        return (
+            f"{channels} input / {outputs} output channels: sparse Tensor "
+            f"Cores want multiples of {ALIGNED_INPUT_CHANNELS} / "
+            f"{ALIGNED_OUTPUT_CHANNELS} (skip_unaligned=True, NVIDIA ASP's "
+            "rule; TensorRT would run this layer dense)"
         )
     return spec
 

@@ -36,7 +36,12 @@ class StructuredSparsity(keras.callbacks.Callback):
     (a `SparsityReport`): input channels not a multiple of `n` (this
     includes a first conv on gray or RGB input), depthwise convolutions,
     unsupported layer types. With `pad=True` a channel count that is not a
-    multiple of `n` is treated as zero-padded instead.
+    multiple of `n` is treated as zero-padded instead. With
+    `skip_unaligned=True` the callback also leaves dense the layers NVIDIA
+    ASP leaves dense: output channels not a multiple of 8 or input channels
+    not a multiple of 16 (a 10-way classifier, for one). Sparse Tensor Core
+    kernels do not take those shapes, so pruning them costs accuracy and
+    gains no speed.
 
     Args:
         m: int. Weights kept per group. Defaults to 2.
@@ -55,6 +60,10 @@ class StructuredSparsity(keras.callbacks.Callback):
             list of these. Defaults to None: every supported layer.
         pad: bool. Zero-pad channel counts that are not a multiple of `n`.
             Defaults to False.
+        skip_unaligned: bool. Skip layers whose output channels are not a
+            multiple of 8 or whose input channels are not a multiple of 16
+            (NVIDIA ASP's rule). Defaults to False: prune every layer whose
+            input channels are a multiple of `n`.
         verbose: int. 1 prints the skipped layers when fit starts.
             Defaults to 0.
 
@@ -82,6 +91,7 @@ class StructuredSparsity(keras.callbacks.Callback):
         end_step=None,
         layers=None,
         pad=False,
+        skip_unaligned=False,
         verbose=0,
     ):
         super().__init__()
@@ -116,6 +126,7 @@ class StructuredSparsity(keras.callbacks.Callback):
         self.end_step = end_step
         self.layers = layers
         self.pad = pad
+        self.skip_unaligned = skip_unaligned
         self.verbose = verbose
         self._targets = []
         self._done = False
@@ -149,7 +160,10 @@ class StructuredSparsity(keras.callbacks.Callback):
         model = self.model
         chosen = select_layers(model, self.layers)
         self._targets, self._done, added = [], False, False
-        specs = [check_eligible(x, self.m, self.n, self.pad) for x in chosen]
+        specs = [
+            check_eligible(x, self.m, self.n, self.pad, self.skip_unaligned)
+            for x in chosen
+        ]
         if all(isinstance(spec, str) for spec in specs):
             reasons = "; ".join(
                 f"{layer.name}: {spec}" for layer, spec in zip(chosen, specs)
@@ -197,7 +211,12 @@ class StructuredSparsity(keras.callbacks.Callback):
         if self.model is None:
             return None
         return sparsity_report(
-            self.model, self.m, self.n, layers=self.layers, pad=self.pad
+            self.model,
+            self.m,
+            self.n,
+            layers=self.layers,
+            pad=self.pad,
+            skip_unaligned=self.skip_unaligned,
         )
 
     def _reusable(self, constraint, axis):
@@ -225,5 +244,6 @@ class StructuredSparsity(keras.callbacks.Callback):
             "begin_step": self.begin_step,
             "end_step": self.end_step,
             "pad": self.pad,
+            "skip_unaligned": self.skip_unaligned,
             "verbose": self.verbose,
         }

@@ -100,9 +100,9 @@ class SparsityReport:
         return "\n".join(text)
 
 
-def _row(layer, m, n, pad, permutation):
+def _row(layer, m, n, pad, permutation, skip_unaligned):
     row = LayerSparsity(layer.name, type(layer).__name__)
-    spec = check_eligible(layer, m, n, pad)
+    spec = check_eligible(layer, m, n, pad, skip_unaligned)
     if isinstance(spec, str):
         row.reason = spec
         full = input_channel_axis(layer)
@@ -135,7 +135,15 @@ def _row(layer, m, n, pad, permutation):
     return row
 
 
-def sparsity_report(model, m=2, n=4, layers=None, pad=False, permutation=False):
+def sparsity_report(
+    model,
+    m=2,
+    n=4,
+    layers=None,
+    pad=False,
+    permutation=False,
+    skip_unaligned=False,
+):
     """Per-layer m:n sparsity of a model: eligible, valid, zeros, magnitude.
 
     Args:
@@ -151,6 +159,9 @@ def sparsity_report(model, m=2, n=4, layers=None, pad=False, permutation=False):
             channel order found (`kept_magnitude_permuted`). About 0.1 s
             for the reference CNN; the time grows with channels times
             kernel size. Defaults to False.
+        skip_unaligned: bool. Count layers that `StructuredSparsity(
+            skip_unaligned=True)` leaves dense as not eligible. Defaults to
+            False.
 
     Returns:
         A `SparsityReport`; `print()` it for a table, `.to_dicts()` for JSON.
@@ -166,7 +177,7 @@ def sparsity_report(model, m=2, n=4, layers=None, pad=False, permutation=False):
     check_model(model, "sparsity_report")
     check_m_n(m, n)
     rows = [
-        _row(layer, m, n, pad, permutation)
+        _row(layer, m, n, pad, permutation, skip_unaligned)
         for layer in select_layers(model, layers)
     ]
     return SparsityReport(rows, m, n)

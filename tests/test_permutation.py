@@ -1,5 +1,7 @@
 """Channel permutations for 2:4 pruning: search, and applying it to a model."""
 
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -244,6 +246,13 @@ def test_bad_models_and_optimizer_state():
     model.fit(np.ones((4, 12)), np.ones((4, 8)), epochs=1, verbose=0)
     with pytest.warns(UserWarning, match="fresh optimizer"):
         permute_for_sparsity(model, layers="consumer")
+    # The clone of a compiled model gets a built optimizer that never
+    # stepped: nothing to permute, so no warning.
+    clone = keras.models.clone_model(model)
+    assert clone.optimizer.built
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        permute_for_sparsity(clone, layers="consumer")
 
 
 def test_report_and_plot_show_kept_magnitude_with_permutation(tmp_path):

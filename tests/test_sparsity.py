@@ -475,3 +475,41 @@ def test_sparsity_mask_serializes():
     clone = keras.constraints.get(config)
     assert clone.shape == (8, 4) and clone.m == 2
     assert isinstance(clone.constraint, keras.constraints.NonNeg)
+
+
+def test_skip_unaligned_leaves_dense_what_asp_leaves_dense():
+    # NVIDIA ASP's rule: output channels % 8 and input channels % 16.
+    model = keras.Sequential(
+        [
+            keras.Input((6, 6, 16)),
+            L.Conv2D(16, 3, padding="same", name="aligned"),
+            L.Conv2DTranspose(8, 3, name="deconv"),  # kernel (3, 3, 8, 16)
+            L.GlobalAveragePooling2D(),
+            L.Dense(16, name="narrow_in"),  # 8 inputs
+            L.EinsumDense("ab,bc->ac", 8, name="einsum"),  # 16 in, 8 out
+            L.Dense(4, name="head"),  # 8 inputs, 4 outputs
+        ]
+    )
+    rows = {
+        r.name: r for r in sparsity_report(model, skip_unaligned=True).rows
+    }
+    assert {n for n, r in rows.items() if r.eligible} == {
+        "aligned",
+        "deconv",
+        "einsum",
+    }
+    assert "8 input / 16 output channels" in rows["narrow_in"].reason
+    assert "8 input / 4 output channels" in rows["head"].reason
+    assert all(r.eligible for r in sparsity_report(model).rows)
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 6, 6, 16)).astype("float32")
+    y = rng.integers(0, 4, 32)
+    sparsity = StructuredSparsity(skip_unaligned=True)
+    _compile(model).fit(x, y, epochs=1, verbose=0, callbacks=[sparsity])
+    assert sorted(_masks(model)) == ["aligned", "deconv", "einsum"]
+    for name in ("narrow_in", "head"):
+        assert np.all(model.get_layer(name).kernel.numpy() != 0), name
+    assert all(r.pattern_valid for r in sparsity.report.rows if r.eligible)
+    config = sparsity.get_config()
+    assert StructuredSparsity(**config).skip_unaligned is True
