@@ -490,9 +490,7 @@ def test_skip_unaligned_leaves_dense_what_asp_leaves_dense():
             L.Dense(4, name="head"),  # 8 inputs, 4 outputs
         ]
     )
-    rows = {
-        r.name: r for r in sparsity_report(model, skip_unaligned=True).rows
-    }
+    rows = {r.name: r for r in sparsity_report(model, skip_unaligned=True).rows}
     assert {n for n, r in rows.items() if r.eligible} == {
         "aligned",
         "deconv",
