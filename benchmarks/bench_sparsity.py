@@ -49,15 +49,13 @@ from _common import markdown_table, write_results  # noqa: E402
 from _timing import interleaved_fit, paired_ratio  # noqa: E402
 
 import keras_mp  # noqa: E402
-from keras_mp.datasets import (  # noqa: E402
-    load_fashion_mnist,
-    shuffled_batches,
-)
+from keras_mp.datasets import load_fashion_mnist  # noqa: E402
 from keras_mp.permutation import permute_for_sparsity  # noqa: E402
 from keras_mp.reference import (  # noqa: E402
     QAT_CALIBRATOR,
     compile_classifier,
     cosine_adam,
+    fine_tune,
     reference_cnn,
 )
 from keras_mp.sparsity import strip_sparsity  # noqa: E402
@@ -184,15 +182,9 @@ def main():
         return compile_classifier(model, optimizer=cosine_adam(total_steps, lr))
 
     def train(model, seed, epochs, lr, callbacks=()):
-        keras.utils.set_random_seed(seed)
-        cosine(model, lr, epochs * (len(x) // BATCH))
-        model.fit(
-            shuffled_batches(x, y, BATCH, seed),
-            epochs=epochs,
-            verbose=2,
-            callbacks=list(callbacks),
+        return fine_tune(
+            model, x, y, epochs, lr, callbacks, seed, BATCH, verbose=2
         )
-        return model
 
     start = time.perf_counter()
     keras.utils.set_random_seed(0)  # the initial weights too

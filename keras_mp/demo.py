@@ -27,7 +27,7 @@ from keras_mp.policy import (
 from keras_mp.reference import (
     QAT_CALIBRATOR,
     compile_classifier,
-    cosine_adam,
+    fine_tune,
     reference_cnn,
 )
 from keras_mp.sparsity_callback import StructuredSparsity
@@ -40,13 +40,16 @@ CALIBRATORS = ("max", "percentile", "entropy", "mse")
 BATCH = 128
 
 TRAIN_LEARNING_RATE = 1e-3
+# --quick: 32 batches per epoch; most of its time is tracing 8 models.
+QUICK_TRAIN_IMAGES = 4096
 
 
 def load_demo_data(quick):
     """Fashion-MNIST when installed, else scikit-learn digits (said plainly)."""
     name, (x, y), (xt, yt) = datasets.load_images()
     if quick:
-        x, y, xt, yt = x[:6000], y[:6000], xt[:1000], yt[:1000]
+        n = QUICK_TRAIN_IMAGES
+        x, y, xt, yt = x[:n], y[:n], xt[:1000], yt[:1000]
     return name, (x, y), (xt, yt)
 
 
@@ -78,17 +81,6 @@ def _eval_batch(n, most=512):
     `most` when that batch would be small (a second trace is cheaper)."""
     best = next(b for b in range(min(most, n), 0, -1) if n % b == 0)
     return best if best >= min(64, n) else most
-
-
-def _fine_tune(model, x, y, epochs, callbacks=(), learning_rate=1e-4):
-    optimizer = cosine_adam(epochs * _steps(x), learning_rate)
-    compile_classifier(model, optimizer=optimizer)
-    model.fit(
-        datasets.shuffled_batches(x, y, BATCH),
-        epochs=epochs,
-        callbacks=list(callbacks),
-    )
-    return model
 
 
 def _plot(results, sparsity, scale_history, output):
@@ -224,7 +216,7 @@ def run_demo(output="demo-report", quick=False, overwrite=False):
         # Show dynamic loss scaling anyway, on a short mixed_float16 run of
         # a copy (slower on a CPU, which has no float16 math units).
         scale_history, results["loss_scale_probe"] = _loss_scale_probe(
-            x, y, width, steps=30 if quick else 100
+            x, y, width, steps=10 if quick else 100
         )
 
     calib = x[: 512 if quick else 2048]
@@ -241,10 +233,10 @@ def run_demo(output="demo-report", quick=False, overwrite=False):
     print("QAT from percentile calibration")
     qat = quantize_model(model)
     calibrate(qat, calib, method=QAT_CALIBRATOR, verbose=0)
-    models["qat"] = _fine_tune(qat, x, y, qat_epochs)
+    models["qat"] = fine_tune(qat, x, y, qat_epochs)
     control = keras.models.clone_model(model)
     control.set_weights(model.get_weights())
-    models["float32_control"] = _fine_tune(control, x, y, qat_epochs)
+    models["float32_control"] = fine_tune(control, x, y, qat_epochs)
     print("2:4 sparse retraining, then QAT")
     sparse = keras.models.clone_model(model)
     sparse.set_weights(model.get_weights())
@@ -253,25 +245,25 @@ def run_demo(output="demo-report", quick=False, overwrite=False):
     # retrain at the training rate (a 1e-4 fine-tune left the pruned model
     # 2.4 points behind the control).
     permute_for_sparsity(sparse)
-    _fine_tune(
+    fine_tune(
         sparse,
         x,
         y,
         qat_epochs,
-        [StructuredSparsity(skip_unaligned=True)],
         learning_rate=TRAIN_LEARNING_RATE,
+        callbacks=[StructuredSparsity(skip_unaligned=True)],
     )
     sparsity = sparsity_report(sparse, skip_unaligned=True)
     sparse_qat = quantize_model(sparse)
     calibrate(sparse_qat, calib, method=QAT_CALIBRATOR, verbose=0)
     # The masks are recomputed on the QAT copy from the kernel's zeros, so
     # QAT keeps the 2:4 pattern (symmetric quantization maps 0 to 0).
-    models["sparse_2_4_qat"] = _fine_tune(
+    models["sparse_2_4_qat"] = fine_tune(
         sparse_qat,
         x,
         y,
         qat_epochs,
-        [StructuredSparsity(skip_unaligned=True)],
+        callbacks=[StructuredSparsity(skip_unaligned=True)],
     )
 
     progbar = keras.utils.Progbar(len(models), unit_name="model")

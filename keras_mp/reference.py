@@ -9,6 +9,8 @@ sparsity).
 import keras
 from keras import layers
 
+from keras_mp.datasets import shuffled_batches
+
 # Calibration QAT starts from: percentile 99.99, not the best PTQ
 # calibrator (benchmarks/bench_quantization.py, docs/quantization.md).
 QAT_CALIBRATOR = "percentile"
@@ -90,3 +92,48 @@ def cosine_adam(steps, learning_rate=1e-4):
     """
     schedule = keras.optimizers.schedules.CosineDecay(learning_rate, steps)
     return keras.optimizers.Adam(schedule)
+
+
+def fine_tune(
+    model,
+    x,
+    y,
+    epochs,
+    learning_rate=1e-4,
+    callbacks=(),
+    seed=0,
+    batch_size=128,
+    verbose="auto",
+):
+    """Compiles `model` with `cosine_adam` and fits it on shuffled batches.
+
+    The one training loop of the demo and `bench_sparsity.py`: the
+    learning rate decays to 0 over the run, so every figure is taken at a
+    low rate; `shuffled_batches` drops the ragged last batch, so `fit`
+    traces one batch shape.
+
+    Args:
+        model: a `keras.Model` (compiled here, with a fresh optimizer).
+        x: array. Training inputs.
+        y: array. Integer labels.
+        epochs: int. Epochs of the run.
+        learning_rate: float. Initial learning rate. Defaults to 1e-4.
+        callbacks: callbacks for `fit`. Defaults to none.
+        seed: int. Batch order; also seeds Keras (`set_random_seed`).
+            Defaults to 0.
+        batch_size: int. Defaults to 128.
+        verbose: passed to `fit`. Defaults to `"auto"`.
+
+    Returns:
+        `model`, trained.
+    """
+    keras.utils.set_random_seed(seed)
+    steps = epochs * max(1, len(x) // batch_size)
+    compile_classifier(model, optimizer=cosine_adam(steps, learning_rate))
+    model.fit(
+        shuffled_batches(x, y, batch_size, seed),
+        epochs=epochs,
+        callbacks=list(callbacks),
+        verbose=verbose,
+    )
+    return model
