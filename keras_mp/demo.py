@@ -42,6 +42,7 @@ BATCH = 128
 TRAIN_LEARNING_RATE = 1e-3
 # --quick: 32 batches per epoch; most of its time is tracing 8 models.
 QUICK_TRAIN_IMAGES = 4096
+QUICK_PROBE_STEPS = 10  # mixed_float16 steps of the loss-scale probe
 
 
 def load_demo_data(quick):
@@ -216,7 +217,7 @@ def run_demo(output="demo-report", quick=False, overwrite=False):
         # Show dynamic loss scaling anyway, on a short mixed_float16 run of
         # a copy (slower on a CPU, which has no float16 math units).
         scale_history, results["loss_scale_probe"] = _loss_scale_probe(
-            x, y, width, steps=10 if quick else 100
+            x, y, width, steps=QUICK_PROBE_STEPS if quick else 100
         )
 
     calib = x[: 512 if quick else 2048]

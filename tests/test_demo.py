@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from keras_mp import cli
+from keras_mp import cli, demo
 
 
 @pytest.fixture(scope="module")
@@ -40,9 +40,11 @@ def test_report_covers_every_method(quick_report):
         assert (quick_report / plot).stat().st_size > 1000
     # this CPU trains in float32: a short mixed_float16 run shows scaling
     probe = results["loss_scale_probe"]
-    assert probe["steps"] == 30 and probe["initial_scale"] <= 2.0**15
+    assert probe["steps"] == demo.QUICK_PROBE_STEPS
+    assert probe["initial_scale"] <= 2.0**15
     assert probe["final_scale"] >= 1.0 and probe["skipped_steps"] >= 0
-    assert "Dynamic loss scaling (30 mixed_float16 steps" in report
+    steps = demo.QUICK_PROBE_STEPS
+    assert f"Dynamic loss scaling ({steps} mixed_float16 steps" in report
 
 
 def test_rerun_never_loses_a_report(quick_report, capsys):
