@@ -25,7 +25,16 @@ weighted-op coverage, ORT CPU latency / float32 at batch 1 and 64
 (interleaved), and for the QAT tools the train-step time / their own
 float32 twin. A peer that fails is a result: its error is recorded.
 
-    python benchmarks/bench_peers.py [--setup] [--quick]
+One fine-tune is within the seed-to-seed spread of a QAT-vs-control gap,
+so each QAT tool and its control are fine-tuned `--qat-seeds` times, on
+fine-tune orders 0..N-1 (order 0 the shared fixed order, order k that
+order permuted with seed k; both tools see the same batches per order).
+The order-0 models are the ones exported and step-timed. The QAT goal is
+judged on keras_mp QAT's mean Keras top-1 over the orders against every PTQ
+peer's ONNX top-1 and tfmot QAT's mean over the same orders; the order-0
+ONNX comparison is kept beside it for reference.
+
+    python benchmarks/bench_peers.py [--setup] [--quick] [--qat-seeds N]
 
 `--setup` creates the two side environments when missing
 (`benchmarks/.venv-modelopt`, `benchmarks/.venv-tfmot`, gitignored).
@@ -50,6 +59,7 @@ sys.path.insert(0, PEERS)
 
 import render  # noqa: E402
 from _common import RESULTS, command_line, versions  # noqa: E402
+from _peer_common import mean_and_sd, positive_int  # noqa: E402
 
 DOCS_PAGE = os.path.join(os.path.dirname(HERE), "docs", "benchmarks.md")
 
@@ -178,8 +188,17 @@ def main():
     p.add_argument("--width", type=int, default=16)
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--qat-seeds",
+        type=positive_int,
+        default=None,
+        help="fine-tune orders (and seeds) per QAT tool and its control "
+        "(default 3; 2 with --quick, so the loop is exercised)",
+    )
     p.add_argument("--step-timeout", type=float, default=3600)
     a = p.parse_args()
+    if a.qat_seeds is None:
+        a.qat_seeds = 2 if a.quick else 3
     if a.render:
         with open(os.path.join(RESULTS, "peers.json")) as f:
             results = json.load(f)
@@ -212,6 +231,7 @@ def main():
     timing = (
         ["--timing-rounds", "2", "--timing-repeats", "3"] if a.quick else []
     )
+    finetune = ["--seed", str(a.seed), "--qat-seeds", str(a.qat_seeds)]
     py = os.path.join(PEERS, "{}.py")
     steps = {}
     wd = ["--workdir", w]
@@ -226,13 +246,13 @@ def main():
     )
     if steps["train_float"]["returncode"] == 0:
         plan = [
-            ("keras_mp", MAIN_PYTHON, timing + ["--seed", str(a.seed)]),
+            ("keras_mp", MAIN_PYTHON, timing + finetune),
             ("ort", MAIN_PYTHON, []),
             ("modelopt", MAIN_PYTHON, ["--venv", a.modelopt_venv]),
             (
                 "tfmot",
                 os.path.join(a.tfmot_venv, "bin", "python"),
-                timing + ["--seed", str(a.seed)],
+                timing + finetune,
             ),
             ("keras_quantize", MAIN_PYTHON, []),
         ]
@@ -512,6 +532,7 @@ def assemble(a, w, steps):
             "calib_images": float_.get("calib_images"),
             "test_images": ev.get("_test_images"),
             "seed": a.seed,
+            "qat_seeds": a.qat_seeds,
             "finetune": (kmp or {}).get("qat", {}).get("optimizer"),
             "latency_method": ev.get("_latency_method"),
             "workdir": w,
@@ -526,7 +547,7 @@ def assemble(a, w, steps):
         "steps": steps,
         "side_venvs": other_versions(a),
     }
-    results["goals"] = goals(rows)
+    results["goals"] = goals(rows, kmp, tfmot)
     return results
 
 
@@ -534,9 +555,59 @@ def _by(rows, label):
     return next((r for r in rows if r["label"] == label), None)
 
 
-def goals(rows):
-    """Issue 7's goals, as measured (pass or fail, never adjusted)."""
-    out = {}
+def _per_order(peer, name):
+    """A QAT tool's `name` ("qat" or "control") Keras test top-1 per
+    fine-tune order ([] when the tool failed)."""
+    return [r[f"{name}_keras_test_top1"] for r in (peer or {}).get("runs", [])]
+
+
+def qat_mean_goal(rows, kmp, tfmot):
+    """The verdict: keras_mp QAT's mean Keras top-1 over the fine-tune orders
+    against every PTQ peer's ONNX top-1 and tfmot QAT's mean over the same
+    orders (one fine-tune per tool is within the seed-to-seed spread)."""
+    ours, theirs = _per_order(kmp, "qat"), _per_order(tfmot, "qat")
+    ptq = {
+        r["label"]: r["test_top1_ort_reference"]
+        for r in rows
+        if r["kind"] == "PTQ"
+        and r["peer"] != "keras_mp"
+        and r["test_top1_ort_reference"] is not None
+    }
+    tf_mean, tf_sd = mean_and_sd(theirs) if theirs else (None, None)
+    peers = dict(ptq)
+    if theirs:
+        peers["tfmot QAT"] = tf_mean
+    if not ours or not peers:
+        return None
+    mean, sd = mean_and_sd(ours)
+    best = max(peers, key=peers.get)
+    return {
+        "orders": len(ours),
+        "keras_mp_qat_mean": mean,
+        "keras_mp_qat_sd": sd,
+        "keras_mp_qat_per_order": ours,
+        "tfmot_qat_mean": tf_mean,
+        "tfmot_qat_sd": tf_sd,
+        "tfmot_qat_per_order": theirs,
+        "ptq_peers_top1_ort": ptq,
+        "best_peer": best,
+        "best_peer_top1": peers[best],
+        "keras_mp_qat_parity": kmp["qat_parity"],
+        "how": "keras_mp QAT's mean Keras test top-1 over the fine-tune "
+        "orders vs every PTQ peer's ONNX top-1 (ORT, no opt.) and tfmot "
+        "QAT's mean tf_keras test top-1 over the same orders. The QAT tools "
+        "are compared by their own framework's evaluation because only the "
+        "order-0 models are exported and tfmot's float32 control has no "
+        "ONNX; keras_mp's Keras and ONNX top-1 agree, by the ONNX Runtime "
+        "parity of its order-0 QAT export measured in this run "
+        "(keras_mp_qat_parity).",
+        "pass": mean >= peers[best],
+    }
+
+
+def qat_onnx_order0_goal(rows):
+    """For reference: the order-0 keras_mp QAT ONNX against every peer's
+    ONNX, one fine-tune per QAT tool (the verdict before several orders)."""
     qat = _by(rows, "keras_mp QAT")
     qat_top1 = qat and qat["test_top1_ort_reference"]
     peers = [
@@ -545,25 +616,48 @@ def goals(rows):
         if r["peer"] not in ("keras_mp", "float32")
         and r["test_top1_ort_reference"] is not None
     ]
-    # tfmot's float control has no ONNX; compare Keras figures for it.
-    if qat_top1 is not None and peers:
-        best_peer = max(peers, key=lambda r: r["test_top1_ort_reference"])
-        out["keras_mp_qat_top1_at_least_every_peer"] = {
-            "keras_mp_qat": qat_top1,
-            "best_peer": best_peer["label"],
-            "best_peer_top1": best_peer["test_top1_ort_reference"],
-            "pass": qat_top1 >= best_peer["test_top1_ort_reference"],
-        }
-    control = _by(rows, "float32 control")
-    if qat and control and qat["test_top1_keras"] is not None:
-        out["keras_mp_qat_vs_its_float32_control_points"] = round(
-            qat["test_top1_keras"] - control["test_top1_keras"], 2
-        )
-    tf_q, tf_c = _by(rows, "tfmot QAT"), _by(rows, "tfmot float32 control")
-    if tf_q and tf_c and tf_q["test_top1_keras"] is not None:
-        out["tfmot_qat_vs_its_float32_control_points"] = round(
-            tf_q["test_top1_keras"] - tf_c["test_top1_keras"], 2
-        )
+    if qat_top1 is None or not peers:
+        return None
+    best_peer = max(peers, key=lambda r: r["test_top1_ort_reference"])
+    return {
+        "keras_mp_qat": qat_top1,
+        "best_peer": best_peer["label"],
+        "best_peer_top1": best_peer["test_top1_ort_reference"],
+        "pass": qat_top1 >= best_peer["test_top1_ort_reference"],
+    }
+
+
+def control_gap(peer):
+    """QAT - its float32 control (Keras top-1 points) per fine-tune order,
+    and their mean and sd."""
+    gaps = [
+        round(q - c, 2)
+        for q, c in zip(_per_order(peer, "qat"), _per_order(peer, "control"))
+    ]
+    if not gaps:
+        return None
+    mean, sd = mean_and_sd(gaps)
+    return {
+        "orders": len(gaps),
+        "mean_points": mean,
+        "sd_points": sd,
+        "per_order_points": gaps,
+    }
+
+
+def goals(rows, kmp, tfmot):
+    """Issue 7's goals, as measured (pass or fail, never adjusted)."""
+    measured = {
+        "keras_mp_qat_top1_at_least_every_peer": qat_mean_goal(
+            rows, kmp, tfmot
+        ),
+        "keras_mp_qat_onnx_top1_vs_every_peer_onnx_order0": (
+            qat_onnx_order0_goal(rows)
+        ),
+        "keras_mp_qat_vs_its_float32_control_points": control_gap(kmp),
+        "tfmot_qat_vs_its_float32_control_points": control_gap(tfmot),
+    }
+    out = {k: v for k, v in measured.items() if v is not None}
     kmp_lints = {
         r["label"]: r["lint"]["ok"]
         for r in rows

@@ -31,10 +31,79 @@ def load_data(workdir):
     }
 
 
-def finetune_arrays(data):
-    """The fixed fine-tune order (same for every QAT run and control)."""
-    order = data["finetune_order"]
-    return data["x_train"][order], data["y_train"][order]
+def finetune_arrays(data, order=0):
+    """The training images in fine-tune order `order`, for every tool alike.
+
+    Order 0 is the shared fixed order written by train_float.py; order k > 0
+    is that order permuted by a generator seeded k, so for each k every QAT
+    run and control, whatever its framework, sees identical batches.
+    """
+    idx = data["finetune_order"]
+    if order:
+        idx = idx[np.random.default_rng(order).permutation(len(idx))]
+    return data["x_train"][idx], data["y_train"][idx]
+
+
+def positive_int(text):
+    """argparse type: an int >= 1."""
+    value = int(text)
+    if value < 1:
+        raise ValueError(f"{value} < 1")
+    return value
+
+
+def finetune_orders(data, orders, seed, set_seed, builders, top1):
+    """Fine-tunes fresh models on each of `orders` fine-tune orders.
+
+    For order k, each builder (name -> function returning a fresh compiled
+    model; "control" and "qat") runs with the framework seed `seed + 1 + k`,
+    then its model is fine-tuned one epoch on order k, unshuffled, and its
+    test top-1 taken with `top1(model, x, y)`. The loop is shared so both
+    QAT tools fine-tune the same way.
+
+    Returns (runs, first): runs is one dict per order, {"order": k,
+    "<name>_keras_test_top1": ...}; first maps each name to order 0's
+    (model, fine-tune seconds), the models exported and step-timed.
+    """
+    runs, first = [], {}
+    for k in range(orders):
+        x, y = finetune_arrays(data, k)
+        run = {"order": k}
+        for name, build in builders.items():
+            set_seed(seed + 1 + k)
+            model = build()
+            start = time.perf_counter()
+            model.fit(
+                x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=2
+            )
+            seconds = round(time.perf_counter() - start, 1)
+            run[f"{name}_keras_test_top1"] = top1(
+                model, data["x_test"], data["y_test"]
+            )
+            if k == 0:
+                first[name] = (model, seconds)
+        print(f"fine-tune order {k}: {run}", flush=True)
+        runs.append(run)
+    return runs, first
+
+
+def mean_and_sd(values):
+    """Mean and sample sd (ddof=1; 0 for a single value), to 2 decimals."""
+    v = np.asarray(values, dtype=float)
+    sd = float(v.std(ddof=1)) if len(v) > 1 else 0.0
+    return round(float(v.mean()), 2), round(sd, 2)
+
+
+def order_summary(runs, name):
+    """`name`'s Keras test top-1: order 0's (the exported model's), and the
+    mean and sd over the fine-tune orders."""
+    values = [r[f"{name}_keras_test_top1"] for r in runs]
+    mean, sd = mean_and_sd(values)
+    return {
+        "keras_test_top1": values[0],
+        "keras_test_top1_mean": mean,
+        "keras_test_top1_sd": sd,
+    }
 
 
 def write_json(workdir, name, obj):

@@ -4,13 +4,17 @@
   percentile, entropy, mse) on the shared calibration images; the best is
   chosen by top-1 on the validation slice (never on the test set).
 - QAT: the model calibrated with percentile (keras_mp's QAT recipe, see
-  bench_quantization) fine-tuned `--finetune-epochs` with Adam and a cosine
-  decay from `--lr`, on the shared fixed fine-tune order; the float32
-  control is the float model fine-tuned identically without quantization.
-- Step time: QAT `train_on_batch` / float32 control `train_on_batch`,
-  interleaved rounds on one batch.
-- Exports `keras_mp_ptq.onnx` and `keras_mp_qat.onnx` with
-  `keras_mp.export_onnx` (parity checked on validation images).
+  bench_quantization) fine-tuned 1 epoch with Adam and a cosine decay from
+  `--lr`; the float32 control is the float model fine-tuned identically
+  without quantization. Both are fine-tuned afresh on each of
+  `--qat-seeds` fine-tune orders (`_peer_common.finetune_arrays`: order 0
+  is the shared fixed order, order k its permutation with seed k; the same
+  batches as tfmot's) with the Keras seed `--seed` + 1 + k, and their
+  Keras test top-1 is recorded per order (`runs`) with its mean and sd.
+- The order-0 models are the ones exported and timed: step time is QAT
+  `train_on_batch` / float32 control `train_on_batch`, interleaved rounds
+  on one batch; `keras_mp_ptq.onnx` and `keras_mp_qat.onnx` are written
+  with `keras_mp.export_onnx` (parity checked on validation images).
 
 Writes `keras_mp.json` in the work folder.
 """
@@ -27,8 +31,10 @@ import keras  # noqa: E402
 from _peer_common import (  # noqa: E402
     BATCH,
     cosine_lr_note,
-    finetune_arrays,
+    finetune_orders,
     load_data,
+    order_summary,
+    positive_int,
     step_time_report,
     write_json,
 )
@@ -48,11 +54,34 @@ def top1(model, x, y):
     return round(100 * float(acc), 2)
 
 
+def fresh_control(fmodel, optimizer):
+    """The float32 control: a copy of the float model, compiled to fine-tune."""
+    control = keras.models.clone_model(fmodel)
+    control.set_weights(fmodel.get_weights())
+    return compile_classifier(control, optimizer=optimizer)
+
+
+def fresh_qat(fmodel, x_calib, optimizer):
+    """A QAT copy of the float model, calibrated, compiled to fine-tune."""
+    # QAT starts from percentile calibration, the recipe measured in
+    # bench_quantization (tighter ranges than max give the fine-tune finer
+    # steps), whatever calibrator PTQ preferred.
+    qat = keras_mp.quantize_model(fmodel)
+    keras_mp.calibrate(qat, x_calib, method=QAT_CALIBRATOR, verbose=0)
+    return compile_classifier(qat, optimizer=optimizer)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--workdir", required=True)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--qat-seeds",
+        type=positive_int,
+        default=3,
+        help="fine-tune orders (and seeds) for the QAT model and its control",
+    )
     p.add_argument("--timing-rounds", type=int, default=30)
     p.add_argument("--timing-repeats", type=int, default=3)
     a = p.parse_args()
@@ -88,30 +117,23 @@ def main():
     )
     out["ptq_parity"] = str(parity)
 
-    xf, yf = finetune_arrays(d)
-    steps = -(-len(xf) // BATCH)
+    steps = -(-len(d["finetune_order"]) // BATCH)
 
     def optimizer():
         return cosine_adam(steps, a.lr)
 
-    keras.utils.set_random_seed(a.seed + 1)
-    control = keras.models.clone_model(fmodel)
-    control.set_weights(fmodel.get_weights())
-    compile_classifier(control, optimizer=optimizer())
-    start = time.perf_counter()
-    control.fit(xf, yf, batch_size=BATCH, epochs=1, shuffle=False, verbose=2)
-    control_s = time.perf_counter() - start
-
-    # QAT starts from percentile calibration, the recipe measured in
-    # bench_quantization (tighter ranges than max give the fine-tune finer
-    # steps), whatever calibrator PTQ preferred.
-    keras.utils.set_random_seed(a.seed + 1)
-    qat = keras_mp.quantize_model(fmodel)
-    keras_mp.calibrate(qat, d["x_calib"], method=QAT_CALIBRATOR, verbose=0)
-    compile_classifier(qat, optimizer=optimizer())
-    start = time.perf_counter()
-    qat.fit(xf, yf, batch_size=BATCH, epochs=1, shuffle=False, verbose=2)
-    qat_s = time.perf_counter() - start
+    runs, first = finetune_orders(
+        d,
+        a.qat_seeds,
+        a.seed,
+        keras.utils.set_random_seed,
+        {
+            "control": lambda: fresh_control(fmodel, optimizer()),
+            "qat": lambda: fresh_qat(fmodel, d["x_calib"], optimizer()),
+        },
+        top1,
+    )
+    (control, control_s), (qat, qat_s) = first["control"], first["qat"]
     parity = keras_mp.export_onnx(
         qat,
         os.path.join(w, "keras_mp_qat.onnx"),
@@ -119,14 +141,15 @@ def main():
         overwrite=True,
     )
     out["qat_parity"] = str(parity)
+    out["runs"] = runs
     out["control"] = {
-        "keras_test_top1": top1(control, d["x_test"], d["y_test"]),
-        "finetune_seconds": round(control_s, 1),
+        **order_summary(runs, "control"),
+        "finetune_seconds": control_s,
     }
     out["qat"] = {
         "start": QAT_CALIBRATOR,
-        "keras_test_top1": top1(qat, d["x_test"], d["y_test"]),
-        "finetune_seconds": round(qat_s, 1),
+        **order_summary(runs, "qat"),
+        "finetune_seconds": qat_s,
         "optimizer": cosine_lr_note(a.lr, steps),
     }
 

@@ -25,11 +25,16 @@ def _kernels(kernels):
 
 GOAL_TITLES = {
     "keras_mp_qat_top1_at_least_every_peer": "keras_mp QAT top-1 >= every "
-    "peer's (ORT, no opt.)",
+    "peer's: its mean over the fine-tune orders (Keras) vs every PTQ peer "
+    "(ORT, no opt.) and tfmot QAT's mean over the same orders (tf_keras); "
+    "the verdict",
+    "keras_mp_qat_onnx_top1_vs_every_peer_onnx_order0": "keras_mp QAT ONNX "
+    "top-1 vs every peer's ONNX (ORT, no opt.), order 0 model only, for "
+    "reference (the verdict is the mean one above)",
     "keras_mp_qat_vs_its_float32_control_points": "keras_mp QAT - its "
-    "float32 control (Keras), for reference",
+    "float32 control (Keras), mean over the fine-tune orders, for reference",
     "tfmot_qat_vs_its_float32_control_points": "tfmot QAT - its float32 "
-    "control (tf_keras), for reference",
+    "control (tf_keras), mean over the fine-tune orders, for reference",
     "every_keras_mp_onnx_lint_clean": "every keras_mp ONNX passes the "
     "TensorRT lint",
     "tfmot_and_keras_onnx_not_lint_clean": "tfmot's and Keras' own ONNX do not",
@@ -39,13 +44,79 @@ GOAL_TITLES = {
     ),
 }
 
+# Results written before the fine-tune orders (one fine-tune per QAT tool,
+# no "orders" in the goal) keep these titles, so `--render` of an old
+# peers.json shows what was measured then.
+SINGLE_ORDER_TITLES = {
+    "keras_mp_qat_top1_at_least_every_peer": "keras_mp QAT top-1 >= every "
+    "peer's (ORT, no opt.)",
+    "keras_mp_qat_vs_its_float32_control_points": "keras_mp QAT - its "
+    "float32 control (Keras), for reference",
+    "tfmot_qat_vs_its_float32_control_points": "tfmot QAT - its float32 "
+    "control (tf_keras), for reference",
+}
+
+
+def _goal_title(name, v):
+    if name in SINGLE_ORDER_TITLES and not (
+        isinstance(v, dict) and "orders" in v
+    ):
+        return SINGLE_ORDER_TITLES[name]
+    return GOAL_TITLES.get(name, name)
+
+
+def _mean_sd(mean, sd):
+    return "n/a" if mean is None else f"{mean:.2f} (sd {sd:.2f})"
+
+
+def _over_orders(mean, sd, per_order):
+    if mean is None:
+        return "not measured"
+    listed = ", ".join(f"{v:.2f}" for v in per_order)
+    return f"{mean:.2f} (sd {sd:.2f}; per order {listed})"
+
+
+def _qat_mean_text(v):
+    ptq = v["ptq_peers_top1_ort"]
+    best_ptq = (
+        f"{max(ptq, key=ptq.get)} {max(ptq.values()):.2f}"
+        if ptq
+        else "none measured"
+    )
+    best = v["best_peer"]
+    if best == "tfmot QAT":
+        best += f" mean over {v['orders']} orders"
+    ours = _over_orders(
+        v["keras_mp_qat_mean"],
+        v["keras_mp_qat_sd"],
+        v["keras_mp_qat_per_order"],
+    )
+    tfmot = _over_orders(
+        v["tfmot_qat_mean"], v["tfmot_qat_sd"], v["tfmot_qat_per_order"]
+    )
+    return (
+        f"keras_mp QAT {ours}; tfmot QAT {tfmot}; best PTQ peer: {best_ptq}. "
+        f"keras_mp {v['keras_mp_qat_mean']:.2f} vs {v['best_peer_top1']:.2f} "
+        f"({best}): {v['keras_mp_qat_mean'] - v['best_peer_top1']:+.2f} points"
+    )
+
 
 def _goal_row(name, v):
-    title = GOAL_TITLES.get(name, name)
+    title = _goal_title(name, v)
     if not isinstance(v, dict):
         return (title, f"{v:+.2f} points", "")
+    if "mean_points" in v:
+        return (
+            title,
+            f"{v['mean_points']:+.2f} points (sd {v['sd_points']:.2f}) over "
+            f"{v['orders']} orders; per order: "
+            + ", ".join(f"{g:+.2f}" for g in v["per_order_points"]),
+            "",
+        )
     verdict = "PASS" if v["pass"] else "FAIL"
-    if "best_peer" in v:
+    if "keras_mp_qat_mean" in v:
+        text = _qat_mean_text(v)
+    elif "best_peer" in v:
         text = (
             f"{v['keras_mp_qat']:.2f} vs {v['best_peer_top1']:.2f} "
             f"({v['best_peer']}): "
@@ -67,6 +138,78 @@ def _goal_row(name, v):
     else:
         text = json.dumps({k: x for k, x in v.items() if k != "pass"})
     return (title, text, verdict)
+
+
+ORDER_COLUMNS = (
+    ("keras_mp", "control", "keras_mp float32 control"),
+    ("keras_mp", "qat", "keras_mp QAT"),
+    ("tfmot", "control", "tfmot float32 control"),
+    ("tfmot", "qat", "tfmot QAT"),
+)
+
+
+def orders_table(results):
+    """Keras top-1 of both QAT tools and their controls per fine-tune order,
+    then mean (sd); no lines for results written before the orders."""
+    runs = {
+        tool: (results.get(tool) or {}).get("runs", [])
+        for tool in ("keras_mp", "tfmot")
+    }
+    n = max(len(r) for r in runs.values())
+    if not n:
+        return []
+
+    def cell(tool, name, k):
+        r = runs[tool]
+        return _fmt(r[k][f"{name}_keras_test_top1"] if k < len(r) else None)
+
+    def mean_cell(tool, name):
+        s = (results.get(tool) or {}).get(name, {})
+        return _mean_sd(
+            s.get("keras_test_top1_mean"), s.get("keras_test_top1_sd")
+        )
+
+    body = [
+        (str(k), *(cell(t, name, k) for t, name, _ in ORDER_COLUMNS))
+        for k in range(n)
+    ]
+    body.append(("mean", *(mean_cell(t, name) for t, name, _ in ORDER_COLUMNS)))
+    header = ("fine-tune order", *(label for _, _, label in ORDER_COLUMNS))
+    return [
+        "",
+        f"QAT and control over {n} fine-tune orders: test top-1 % in each "
+        "tool's own framework (Keras 3 for keras_mp, tf_keras for tfmot); "
+        "order 0's models are the QAT and control rows of the first table.",
+        "",
+        markdown_table(header, body),
+    ]
+
+
+def _finetune_text(c):
+    n = c.get("qat_seeds")
+    if n is None:  # results written before the fine-tune orders
+        return (
+            f"QAT and controls: 1 epoch, {c['finetune']}, same batches in "
+            "the same order for every tool."
+        )
+    return (
+        f"QAT and controls: 1 epoch, {c['finetune']}, each fine-tuned afresh "
+        f"on {n} fine-tune orders (order 0: one fixed shuffle of the training "
+        "images; order k: that shuffle permuted with seed k; seed "
+        f"{c['seed']} + 1 + k), the same batches in the same order for every "
+        "tool within an order. The table's QAT and control rows, their ONNX "
+        "and train-step figures are the order-0 models."
+    )
+
+
+def _qat_goal_note(g):
+    v = g.get("keras_mp_qat_top1_at_least_every_peer")
+    if not (isinstance(v, dict) and "orders" in v):
+        return []
+    return [
+        "",
+        f"The QAT verdict: {v['how']} That parity: {v['keras_mp_qat_parity']}.",
+    ]
 
 
 def markdown(results):
@@ -144,9 +287,7 @@ def markdown(results):
         f"{c['val_images']} held-out training images are the validation "
         f"slice (keras_mp's calibrator choice); {c['calib_images']} training "
         "images calibrate every PTQ tool; top-1 on "
-        f"{c['test_images'] or '?'} test images. "
-        f"QAT and controls: 1 epoch, {c['finetune']}, same batches in the "
-        "same order for every tool.",
+        f"{c['test_images'] or '?'} test images. " + _finetune_text(c),
         "",
         markdown_table(header, table),
         "",
@@ -176,6 +317,7 @@ def markdown(results):
     notes = [(r["label"], r["note"]) for r in rows if r["note"]]
     if notes:
         lines += ["", "Notes:", ""] + [f"- {k}: {v}" for k, v in notes]
+    lines += orders_table(results)
     g = results["goals"]
     goal_rows = [_goal_row(name, v) for name, v in g.items()]
     lines += [
@@ -183,6 +325,7 @@ def markdown(results):
         "Goals (issue 7), as measured:",
         "",
         markdown_table(("goal", "measured", "result"), goal_rows),
+        *_qat_goal_note(g),
     ]
     if errors:
         lines += ["", "Failures and errors, verbatim (tail):", ""]

@@ -9,12 +9,15 @@ optimization, tf2onnx, onnx), never in the main venv.
   layers, names, shapes) and copies the shared float weights into it layer
   by layer from `float_weights.npz`; checks its test top-1 against the
   Keras 3 model's.
-- `tfmot.quantization.keras.quantize_model`, then fine-tunes
-  `--finetune-epochs` with Adam and cosine decay from `--lr` on the shared
-  fine-tune order; the control is the float twin fine-tuned identically.
-- Step time: QAT `train_on_batch` / float twin `train_on_batch`,
-  interleaved rounds.
-- Exports `tfmot_qat.onnx` with tf2onnx (`from_keras`, falling back to
+- `tfmot.quantization.keras.quantize_model`, then fine-tunes 1 epoch
+  with Adam and cosine decay from `--lr`; the control is the float twin
+  fine-tuned identically. Both are fine-tuned afresh on each of
+  `--qat-seeds` fine-tune orders (`_peer_common.finetune_arrays`, the same
+  batches as keras_mp's) with the tf_keras seed `--seed` + 1 + k, and their
+  tf_keras test top-1 is recorded per order (`runs`) with its mean and sd.
+- The order-0 models are the ones timed and exported: step time is QAT
+  `train_on_batch` / float twin `train_on_batch`, interleaved rounds;
+  `tfmot_qat.onnx` is written with tf2onnx (`from_keras`, falling back to
   `from_function` on a traced `tf.function`).
 
 Writes `tfmot.json` in the work folder.
@@ -24,7 +27,6 @@ import argparse
 import json
 import os
 import sys
-import time
 import traceback
 
 os.environ["TF_USE_LEGACY_KERAS"] = "1"
@@ -38,8 +40,10 @@ import tf_keras  # noqa: E402
 from _peer_common import (  # noqa: E402
     BATCH,
     cosine_lr_note,
-    finetune_arrays,
+    finetune_orders,
     load_data,
+    order_summary,
+    positive_int,
     step_time_report,
     write_json,
 )
@@ -101,6 +105,20 @@ def top1(model, x, y):
     return round(100 * float(acc), 2)
 
 
+def fresh_control(fmodel, optimizer):
+    """The float32 control: a copy of the float twin, compiled to fine-tune."""
+    control = tf_keras.models.clone_model(fmodel)
+    control.set_weights(fmodel.get_weights())
+    return compile_model(control, optimizer)
+
+
+def fresh_qat(fmodel, optimizer):
+    """tfmot's QAT model of the float twin, compiled to fine-tune."""
+    return compile_model(
+        tfmot.quantization.keras.quantize_model(fmodel), optimizer
+    )
+
+
 def export(model, path):
     import tf2onnx
 
@@ -133,6 +151,12 @@ def main():
     p.add_argument("--workdir", required=True)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--qat-seeds",
+        type=positive_int,
+        default=3,
+        help="fine-tune orders (and seeds) for the QAT model and its control",
+    )
     p.add_argument("--timing-rounds", type=int, default=30)
     p.add_argument("--timing-repeats", type=int, default=3)
     a = p.parse_args()
@@ -150,34 +174,37 @@ def main():
     out["float_twin_test_top1"] = top1(fmodel, d["x_test"], d["y_test"])
     print(f"tf_keras float twin test top-1: {out['float_twin_test_top1']}")
 
-    xf, yf = finetune_arrays(d)
-    steps = -(-len(xf) // BATCH)
+    # Before any fine-tune: tfmot's ranges start uncalibrated.
+    out["qat_before_finetune_test_top1"] = top1(
+        fresh_qat(fmodel, None), d["x_test"], d["y_test"]
+    )
+    steps = -(-len(d["finetune_order"]) // BATCH)
 
     def optimizer():
         return tf_keras.optimizers.Adam(
             tf_keras.optimizers.schedules.CosineDecay(a.lr, decay_steps=steps)
         )
 
-    tf_keras.utils.set_random_seed(a.seed + 1)
-    control = tf_keras.models.clone_model(fmodel)
-    control.set_weights(fmodel.get_weights())
-    compile_model(control, optimizer())
-    start = time.perf_counter()
-    control.fit(xf, yf, batch_size=BATCH, epochs=1, shuffle=False, verbose=2)
+    runs, first = finetune_orders(
+        d,
+        a.qat_seeds,
+        a.seed,
+        tf_keras.utils.set_random_seed,
+        {
+            "control": lambda: fresh_control(fmodel, optimizer()),
+            "qat": lambda: fresh_qat(fmodel, optimizer()),
+        },
+        top1,
+    )
+    (control, control_s), (qat, qat_s) = first["control"], first["qat"]
+    out["runs"] = runs
     out["control"] = {
-        "keras_test_top1": top1(control, d["x_test"], d["y_test"]),
-        "finetune_seconds": round(time.perf_counter() - start, 1),
+        **order_summary(runs, "control"),
+        "finetune_seconds": control_s,
     }
-
-    tf_keras.utils.set_random_seed(a.seed + 1)
-    qat = tfmot.quantization.keras.quantize_model(fmodel)
-    compile_model(qat, optimizer())
-    out["qat_before_finetune_test_top1"] = top1(qat, d["x_test"], d["y_test"])
-    start = time.perf_counter()
-    qat.fit(xf, yf, batch_size=BATCH, epochs=1, shuffle=False, verbose=2)
     out["qat"] = {
-        "keras_test_top1": top1(qat, d["x_test"], d["y_test"]),
-        "finetune_seconds": round(time.perf_counter() - start, 1),
+        **order_summary(runs, "qat"),
+        "finetune_seconds": qat_s,
         "optimizer": cosine_lr_note(a.lr, steps),
     }
 
