@@ -23,7 +23,11 @@ from keras_mp.config import (  # noqa: E402
     NO_INPUTS,
     SKIP_INPUTS,
 )
-from keras_mp.sparsity import input_channel_axis  # noqa: E402
+from keras_mp.sparsity import (  # noqa: E402
+    ALIGNED_INPUT_CHANNELS,
+    ALIGNED_OUTPUT_CHANNELS,
+    input_channel_axis,
+)
 
 PAGE = os.path.join(
     os.path.dirname(os.path.abspath(__file__)), "support_matrix.md"
@@ -131,6 +135,12 @@ def render():
         "out)`, ConvNDTranspose `(..., out, in)`, DepthwiseConv2D `(kh, kw, "
         "in, multiplier)`, Dense `(in, out)`); weights are symmetric INT8 "
         "per output channel, activations per-tensor, as TensorRT wants.",
+        "",
+        "A layer of a type with a 2:4 axis below is pruned when its input "
+        "channels are a multiple of 4 (or with `pad=True`); with "
+        "`skip_unaligned=True` (NVIDIA ASP's rule) only when its output "
+        f"channels are a multiple of {ALIGNED_OUTPUT_CHANNELS} and its input "
+        f"channels a multiple of {ALIGNED_INPUT_CHANNELS} as well.",
         "",
         "| Keras layer | INT8 weights | input Q/DQ | TensorRT runs it as | "
         "2:4 sparsity |",
