@@ -19,6 +19,7 @@ from keras.src.models.functional import Functional
 
 from keras_mp.selection import layer_matcher
 from keras_mp.sparsity import (
+    TRANSPOSED_CONVS,
     SparsityMask,
     check_axis,
     check_eligible,
@@ -186,11 +187,6 @@ _CHANNELWISE = (
     keras.layers.GlobalMaxPooling3D,
 )
 _CONVS = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D)
-_TRANSPOSES = (
-    keras.layers.Conv1DTranspose,
-    keras.layers.Conv2DTranspose,
-    keras.layers.Conv3DTranspose,
-)
 
 
 @dataclasses.dataclass
@@ -311,7 +307,7 @@ def _take(variable, perm, axis):
 
 def _producer_chain(layer, spec, nodes, consumers, outputs):
     """`(producer, between)` for a layer's inputs, or why there is none."""
-    transpose = isinstance(layer, _TRANSPOSES) and _channels_last(layer)
+    transpose = isinstance(layer, TRANSPOSED_CONVS) and _channels_last(layer)
     if not (_plain(layer) or transpose):
         return (
             f"permuting the inputs of a {type(layer).__name__} is not "

@@ -148,9 +148,22 @@ def is_2_4_sparse(kernel, axis, m=2, n=4, pad=False):
     return bool(np.all(np.sum(groups > 0, axis=-1) <= m))
 
 
-def _einsum_axis(equation):
+TRANSPOSED_CONVS = (
+    keras.layers.Conv1DTranspose,
+    keras.layers.Conv2DTranspose,
+    keras.layers.Conv3DTranspose,
+)
+
+
+def _einsum_specs(equation):
+    """`(input spec, kernel spec, output spec)` of an EinsumDense equation."""
     inputs, output = equation.replace("...", "").split("->")
     x_spec, kernel_spec = inputs.split(",")
+    return x_spec, kernel_spec, output
+
+
+def _einsum_axis(equation):
+    x_spec, kernel_spec, output = _einsum_specs(equation)
     contracted = [c for c in kernel_spec if c in x_spec and c not in output]
     if not contracted:
         return None
@@ -180,14 +193,7 @@ def input_channel_axis(layer):
         return "kernel", "kernel_constraint", 0
     if isinstance(layer, (layers.SeparableConv1D, layers.SeparableConv2D)):
         return "pointwise_kernel", "pointwise_constraint", -2
-    if isinstance(
-        layer,
-        (
-            layers.Conv1DTranspose,
-            layers.Conv2DTranspose,
-            layers.Conv3DTranspose,
-        ),
-    ):
+    if isinstance(layer, TRANSPOSED_CONVS):
         return "kernel", "kernel_constraint", -1
     if isinstance(layer, (layers.Conv1D, layers.Conv2D, layers.Conv3D)):
         return "kernel", "kernel_constraint", -2
@@ -209,18 +215,18 @@ ALIGNED_OUTPUT_CHANNELS = 8
 ALIGNED_INPUT_CHANNELS = 16
 
 
-def output_channels(layer, kernel, axis):
-    """Output channels (GEMM N) of a prunable kernel."""
-    layers = keras.layers
-    transposed = (
-        layers.Conv1DTranspose,
-        layers.Conv2DTranspose,
-        layers.Conv3DTranspose,
-    )
-    if isinstance(layer, transposed):
+def output_channels(layer, kernel):
+    """Output channels (GEMM N) of a prunable kernel: for EinsumDense, the
+    kernel axes that reach the output and are not in the input."""
+    if isinstance(layer, TRANSPOSED_CONVS):
         return kernel.shape[-2]
-    if isinstance(layer, layers.EinsumDense):
-        return math.prod(kernel.shape) // kernel.shape[axis]
+    if isinstance(layer, keras.layers.EinsumDense):
+        x_spec, kernel_spec, output = _einsum_specs(layer.equation)
+        return math.prod(
+            size
+            for c, size in zip(kernel_spec, kernel.shape)
+            if c in output and c not in x_spec
+        )
     return kernel.shape[-1]
 
 
@@ -233,12 +239,8 @@ def check_eligible(layer, m=2, n=4, pad=False, skip_unaligned=False):
     if kernel is None:
         return "layer is not built (call the model on data first)"
     channels = kernel.shape[spec[2]]
-    if channels % n and not pad:
-        return (
-            f"{channels} input channels, not a multiple of {n} "
-            "(pass pad=True to zero-pad)"
-        )
-    outputs = output_channels(layer, kernel, spec[2])
+    outputs = output_channels(layer, kernel)
+    # Checked first: padding cannot make a layer aligned (pad is moot here).
     if skip_unaligned and (
         outputs % ALIGNED_OUTPUT_CHANNELS or channels % ALIGNED_INPUT_CHANNELS
     ):
@@ -247,6 +249,11 @@ def check_eligible(layer, m=2, n=4, pad=False, skip_unaligned=False):
             f"Cores want multiples of {ALIGNED_INPUT_CHANNELS} / "
             f"{ALIGNED_OUTPUT_CHANNELS} (skip_unaligned=True, NVIDIA ASP's "
             "rule; TensorRT would run this layer dense)"
+        )
+    if channels % n and not pad:
+        return (
+            f"{channels} input channels, not a multiple of {n} "
+            "(pass pad=True to zero-pad)"
         )
     return spec
 

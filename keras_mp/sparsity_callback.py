@@ -1,5 +1,7 @@
 """`StructuredSparsity`: the 2:4 pruning callback for `model.fit`."""
 
+import warnings
+
 import keras
 
 from keras_mp.sparsity import (
@@ -7,6 +9,7 @@ from keras_mp.sparsity import (
     SparsityMask,
     check_eligible,
     check_m_n,
+    input_channel_axis,
     select_layers,
     value,
 )
@@ -176,6 +179,7 @@ class StructuredSparsity(keras.callbacks.Callback):
             )
         for layer, spec in zip(chosen, specs):
             if isinstance(spec, str):
+                self._warn_if_masked(layer, spec)
                 continue
             kernel_attr, constraint_attr, axis = spec
             kernel = getattr(layer, kernel_attr)
@@ -204,6 +208,24 @@ class StructuredSparsity(keras.callbacks.Callback):
             skipped = [r for r in self.report.rows if not r.eligible]
             for row in skipped:
                 print(f"StructuredSparsity: skipping {row.name}: {row.reason}")
+
+    @staticmethod
+    def _warn_if_masked(layer, reason):
+        full = input_channel_axis(layer)
+        kernel = None if isinstance(full, str) else getattr(layer, full[0])
+        constraint = getattr(kernel, "constraint", None)
+        if (
+            isinstance(constraint, SparsityMask)
+            and int(value(constraint.kept)) < constraint.n
+        ):
+            warnings.warn(
+                f"StructuredSparsity: layer '{layer.name}' is skipped here "
+                f"({reason}) but still carries the SparsityMask of an "
+                "earlier pruning, which keeps applying. Prune with the "
+                "earlier settings, or start from `strip_sparsity(model)` "
+                "and retrain that layer dense.",
+                stacklevel=3,
+            )
 
     @property
     def report(self):
@@ -237,13 +259,35 @@ class StructuredSparsity(keras.callbacks.Callback):
         self._done = target == self.m
 
     def get_config(self):
+        layers = self.layers
+        if isinstance(layers, (list, tuple)):
+            layers = list(layers)
+        if not (
+            layers is None
+            or isinstance(layers, str)
+            or (
+                isinstance(layers, list)
+                and all(isinstance(x, str) for x in layers)
+            )
+        ):
+            raise ValueError(
+                "StructuredSparsity.get_config: a `layers` selection by class "
+                "or callable cannot be serialized. Select the layers by name "
+                f"or regex to serialize this callback. Received: "
+                f"layers={self.layers!r}"
+            )
         return {
             "m": self.m,
             "n": self.n,
             "schedule": self.schedule,
             "begin_step": self.begin_step,
             "end_step": self.end_step,
+            "layers": layers,
             "pad": self.pad,
             "skip_unaligned": self.skip_unaligned,
             "verbose": self.verbose,
         }
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(**config)

@@ -29,9 +29,12 @@ class LayerSparsity:
         class_name: str. Layer class.
         kernel_shape: tuple or None. Shape of the prunable kernel.
         axis: int or None. Input-channel axis of that kernel.
-        eligible: bool. The layer can be pruned to m:n.
-        reason: str or None. Why it cannot, when it cannot.
-        masked: bool. A `SparsityMask` has pruned it.
+        eligible: bool. The layer is selected for m:n pruning under the
+            report's settings (`pad`, `skip_unaligned`).
+        reason: str or None. Why it is not, when it is not.
+        masked: bool. A `SparsityMask` has pruned it (also reported for a
+            layer that is not eligible under these settings but still
+            carries a mask from an earlier pruning).
         pattern_valid: bool or None. The kernel satisfies m:n now.
         fraction_zero: float or None. Share of kernel entries that are 0.
         kept_magnitude: float or None. Share of the dense sum |w| that m:n
@@ -100,6 +103,12 @@ class SparsityReport:
         return "\n".join(text)
 
 
+def _is_masked(constraint):
+    return isinstance(constraint, SparsityMask) and (
+        int(value(constraint.kept)) < constraint.n
+    )
+
+
 def _row(layer, m, n, pad, permutation, skip_unaligned):
     row = LayerSparsity(layer.name, type(layer).__name__)
     spec = check_eligible(layer, m, n, pad, skip_unaligned)
@@ -110,17 +119,20 @@ def _row(layer, m, n, pad, permutation, skip_unaligned):
             not isinstance(full, str)
             and getattr(layer, full[0], None) is not None
         ):
-            row.kernel_shape = tuple(getattr(layer, full[0]).shape)
-            row.axis = full[2]
+            kernel = getattr(layer, full[0])
+            row.kernel_shape, row.axis = tuple(kernel.shape), full[2]
+            if _is_masked(kernel.constraint):
+                # Pruned earlier under other settings: say so.
+                w = value(kernel)
+                row.masked = True
+                row.fraction_zero = float(np.mean(w == 0))
         return row
     kernel_attr, _, axis = spec
     kernel = getattr(layer, kernel_attr)
     w = value(kernel)
     row.kernel_shape, row.axis, row.eligible = w.shape, axis, True
     constraint = kernel.constraint
-    row.masked = isinstance(constraint, SparsityMask) and (
-        int(value(constraint.kept)) < constraint.n
-    )
+    row.masked = _is_masked(constraint)
     row.pattern_valid = is_2_4_sparse(w, axis, m, n, pad)
     row.fraction_zero = float(np.mean(w == 0))
     if row.masked:

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from keras_mp.sparsity import (
     SparsityMask,
+    check_eligible,
     input_channel_axis,
     is_2_4_sparse,
     magnitude_mask,
@@ -477,37 +478,89 @@ def test_sparsity_mask_serializes():
     assert isinstance(clone.constraint, keras.constraints.NonNeg)
 
 
-def test_skip_unaligned_leaves_dense_what_asp_leaves_dense():
+@pytest.mark.parametrize(
+    "make, shape",
+    [
+        (lambda o: L.Dense(o), (16,)),
+        (lambda o: L.Conv2D(o, 3), (6, 6, 16)),
+        # kernel (3, 3, out, in): the output channels are axis -2
+        (lambda o: L.Conv2DTranspose(o, 3), (5, 5, 16)),
+        # pointwise kernel (1, 1, in, out)
+        (lambda o: L.SeparableConv2D(o, 3), (6, 6, 16)),
+        # kernel (out, in): the output axis comes first
+        (lambda o: L.EinsumDense("ab,cb->ac", o), (16,)),
+        # kernel (2, in, out): two contracted axes, only `e` reaches the output
+        (lambda o: L.EinsumDense("abcd,cde->abe", (None, o)), (5, 2, 16)),
+    ],
+)
+def test_skip_unaligned_reads_output_channels_per_layer_type(make, shape):
     # NVIDIA ASP's rule: output channels % 8 and input channels % 16.
+    for out, aligned in ((8, True), (12, False), (4, False)):
+        layer = make(out)
+        layer.build((None,) + shape)
+        spec = check_eligible(layer, skip_unaligned=True)
+        assert isinstance(spec, tuple) == aligned, (out, spec)
+        if not aligned:
+            assert f"16 input / {out} output channels" in spec
+        assert isinstance(check_eligible(layer), tuple)  # default: pruned
+
+
+def test_skip_unaligned_callback_report_and_config():
     model = keras.Sequential(
         [
             keras.Input((6, 6, 16)),
             L.Conv2D(16, 3, padding="same", name="aligned"),
-            L.Conv2DTranspose(8, 3, name="deconv"),  # kernel (3, 3, 8, 16)
             L.GlobalAveragePooling2D(),
-            L.Dense(16, name="narrow_in"),  # 8 inputs
-            L.EinsumDense("ab,bc->ac", 8, name="einsum"),  # 16 in, 8 out
-            L.Dense(4, name="head"),  # 8 inputs, 4 outputs
+            L.Dense(16, name="fc"),
+            L.Dense(4, name="head"),  # 16 inputs, 4 outputs
         ]
     )
     rows = {r.name: r for r in sparsity_report(model, skip_unaligned=True).rows}
-    assert {n for n, r in rows.items() if r.eligible} == {
-        "aligned",
-        "deconv",
-        "einsum",
-    }
-    assert "8 input / 16 output channels" in rows["narrow_in"].reason
-    assert "8 input / 4 output channels" in rows["head"].reason
-    assert all(r.eligible for r in sparsity_report(model).rows)
+    assert {n for n, r in rows.items() if r.eligible} == {"aligned", "fc"}
+    assert "16 input / 4 output channels" in rows["head"].reason
+    assert "pad=True" not in rows["head"].reason  # padding cannot help
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(32, 6, 6, 16)).astype("float32")
     y = rng.integers(0, 4, 32)
-    sparsity = StructuredSparsity(skip_unaligned=True)
+    sparsity = StructuredSparsity(
+        skip_unaligned=True, layers=["aligned", "fc", "head"]
+    )
     _compile(model).fit(x, y, epochs=1, verbose=0, callbacks=[sparsity])
-    assert sorted(_masks(model)) == ["aligned", "deconv", "einsum"]
-    for name in ("narrow_in", "head"):
-        assert np.all(model.get_layer(name).kernel.numpy() != 0), name
+    assert sorted(_masks(model)) == ["aligned", "fc"]
+    assert np.all(model.get_layer("head").kernel.numpy() != 0)
     assert all(r.pattern_valid for r in sparsity.report.rows if r.eligible)
-    config = sparsity.get_config()
-    assert StructuredSparsity(**config).skip_unaligned is True
+
+    restored = keras.saving.deserialize_keras_object(
+        keras.saving.serialize_keras_object(sparsity)
+    )
+    assert restored.get_config() == sparsity.get_config()
+    assert restored.skip_unaligned and restored.layers == [
+        "aligned",
+        "fc",
+        "head",
+    ]
+    with pytest.raises(ValueError, match="by name or regex"):
+        StructuredSparsity(layers=L.Dense).get_config()
+
+
+def test_skipped_layer_with_an_earlier_mask_is_reported_and_warned():
+    model = keras.Sequential(
+        [keras.Input((16,)), L.Dense(16, name="fc"), L.Dense(4, name="head")]
+    )
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 16)).astype("float32")
+    y = rng.integers(0, 4, 32)
+    _compile(model).fit(
+        x, y, epochs=1, verbose=0, callbacks=[StructuredSparsity()]
+    )
+    head = sparsity_report(model, skip_unaligned=True).rows[1]
+    assert not head.eligible and head.masked and head.fraction_zero == 0.5
+    with pytest.warns(UserWarning, match="'head' is skipped here"):
+        model.fit(
+            x,
+            y,
+            epochs=1,
+            verbose=0,
+            callbacks=[StructuredSparsity(skip_unaligned=True)],
+        )
