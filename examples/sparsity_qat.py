@@ -34,10 +34,13 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # noqa: E402
-import numpy as np  # noqa: E402
 
 import keras_mp  # noqa: E402
-from keras_mp.reference import compile_classifier, reference_cnn  # noqa: E402
+from keras_mp.reference import (  # noqa: E402
+    compile_classifier,
+    fine_tune,
+    reference_cnn,
+)
 
 
 def load_data(quick):
@@ -46,22 +49,6 @@ def load_data(quick):
     if quick:
         return name, (x[:1024], y[:1024]), (xt[:256], yt[:256])
     return name, (x[:20000], y[:20000]), (xt, yt)
-
-
-def fine_tune(model, x, y, epochs, callbacks, learning_rate, batch_size=128):
-    """Adam from `learning_rate`, cosine-decayed to zero."""
-    steps = epochs * int(np.ceil(len(x) / batch_size))
-    schedule = keras.optimizers.schedules.CosineDecay(learning_rate, steps)
-    compile_classifier(model, optimizer=keras.optimizers.Adam(schedule))
-    model.fit(
-        x,
-        y,
-        batch_size=batch_size,
-        epochs=epochs,
-        callbacks=callbacks,
-        verbose=2,
-    )
-    return model
 
 
 def main(argv=None):
@@ -103,7 +90,7 @@ def main(argv=None):
     # only), retrain at the original learning rate.
     keras_mp.permute_for_sparsity(model)
     sparsity = keras_mp.StructuredSparsity(skip_unaligned=True, verbose=1)
-    fine_tune(model, x, y, tune_epochs, [sparsity], learning_rate=1e-3)
+    fine_tune(model, x, y, tune_epochs, 1e-3, callbacks=[sparsity], verbose=2)
     report = keras_mp.sparsity_report(model, skip_unaligned=True)
     print(report)
     plot = keras_mp.plot_sparsity(
@@ -123,8 +110,9 @@ def main(argv=None):
         x,
         y,
         tune_epochs,
-        [keras_mp.StructuredSparsity(skip_unaligned=True)],
-        learning_rate=1e-4,
+        1e-4,
+        callbacks=[keras_mp.StructuredSparsity(skip_unaligned=True)],
+        verbose=2,
     )
     qat_top1 = top1(qmodel)
     after = keras_mp.sparsity_report(qmodel, skip_unaligned=True)

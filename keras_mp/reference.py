@@ -23,7 +23,11 @@ def reference_cnn(input_shape=(28, 28, 1), num_classes=10, width=32):
         input_shape: tuple. Image shape, channels last. Defaults to
             `(28, 28, 1)` (Fashion-MNIST).
         num_classes: int. Number of output logits. Defaults to 10.
-        width: int. Channels of the first block; must be a multiple of 8.
+        width: int. Channels of the first block; must be a multiple of 8
+            (Tensor Core alignment). At width 8 the residual convs have 8
+            input channels, which `StructuredSparsity(skip_unaligned=True)`
+            leaves dense (it wants 16); from width 16 every conv but the
+            stem and the depthwise one is 2:4-eligible under that rule.
             Defaults to 32.
 
     Returns:

@@ -89,27 +89,3 @@ def test_shuffled_batches_have_one_shape_and_reject_bad_input():
     assert len(small) == 1 and small[0][0].shape[0] == 5
     with pytest.raises(ValueError, match="same, nonzero number"):
         datasets.shuffled_batches(x, y[:10])
-
-
-def test_fine_tune_decays_to_zero_on_full_batches():
-    import keras
-
-    from keras_mp.reference import fine_tune
-
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(300, 4)).astype("float32")
-    y = rng.integers(0, 3, 300)
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
-    history = []
-    callback = keras.callbacks.LambdaCallback(
-        on_train_batch_begin=lambda batch, logs: history.append(
-            float(model.optimizer.learning_rate)
-        )
-    )
-    assert fine_tune(model, x, y, 2, 1e-2, [callback], verbose=0) is model
-    # 300 images, batch 128: 2 full batches per epoch, the ragged one
-    # dropped; the rate starts at 1e-2 and ends at 0 after the last step.
-    assert int(model.optimizer.iterations) == 4
-    assert history[0] == pytest.approx(1e-2)
-    assert history == sorted(history, reverse=True)
-    assert float(model.optimizer.learning_rate) == pytest.approx(0, abs=1e-9)

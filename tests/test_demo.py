@@ -28,7 +28,11 @@ def test_report_covers_every_method(quick_report):
         assert (m["qdq_nodes"] > 0) == (
             label not in ("float32", "float32_control")
         )
-    assert methods["sparse_2_4_qat"]["sparse_2_4_weights"] > 0
+    # Pruned as NVIDIA ASP does: 5 convs/dense layers; the stem (1 input
+    # channel), the depthwise conv and the 10-way logits stay dense.
+    assert methods["sparse_2_4_qat"]["sparse_2_4_weights"] == 5
+    eligible = {r["layer"]: r["eligible"] for r in results["sparsity"]}
+    assert sum(eligible.values()) == 5 and not eligible["logits"]
     report = (quick_report / "report.md").read_text()
     assert "| qat |" in report and "Tensor Core audit" in report
     for plot in (
