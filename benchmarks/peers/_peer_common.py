@@ -2,6 +2,7 @@
 main venv and in the tfmot venv (tf_keras), so it imports neither keras_mp
 nor Keras."""
 
+import argparse
 import json
 import os
 import time
@@ -48,7 +49,7 @@ def positive_int(text):
     """argparse type: an int >= 1."""
     value = int(text)
     if value < 1:
-        raise ValueError(f"{value} < 1")
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
 
 

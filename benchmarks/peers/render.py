@@ -114,7 +114,9 @@ def _goal_row(name, v):
             "",
         )
     verdict = "PASS" if v["pass"] else "FAIL"
-    if "keras_mp_qat_mean" in v:
+    if "reason" in v:
+        text = v["reason"]
+    elif "keras_mp_qat_mean" in v:
         text = _qat_mean_text(v)
     elif "best_peer" in v:
         text = (
@@ -208,7 +210,14 @@ def _qat_goal_note(g):
         return []
     return [
         "",
-        f"The QAT verdict: {v['how']} That parity: {v['keras_mp_qat_parity']}.",
+        f"The QAT verdict: {v['how']} That parity: {v['keras_mp_qat_parity']}."
+        + (
+            " Test top-1 of the order-0 keras_mp QAT model, Keras minus ONNX "
+            f"Runtime: {gap:+.2f} points."
+            if (gap := v.get("keras_mp_qat_keras_minus_onnx_order0_points"))
+            is not None
+            else ""
+        ),
     ]
 
 
