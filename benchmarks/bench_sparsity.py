@@ -109,12 +109,9 @@ def permutation_results(dense, width, xt, yt, skip_unaligned):
         permuted.predict(xt[:512], verbose=0)
         - dense.predict(xt[:512], verbose=0)
     ).max()
-    prune_now(permuted, skip_unaligned)
     # What the one-shot prune of the permuted copy kept, layer by layer.
     pruned = [
-        r
-        for r in sparsity_report(permuted, skip_unaligned=skip_unaligned).rows
-        if r.eligible
+        r for r in prune_now(permuted, skip_unaligned).report.rows if r.eligible
     ]
     return {
         "one_shot_permuted_top1": top1(permuted, xt, yt),
@@ -194,8 +191,7 @@ def main():
 
     skip = not args.every_layer
     one_shot = copy_of(dense, args.width)
-    prune_now(one_shot, skip)
-    report = sparsity_report(one_shot, skip_unaligned=skip)
+    report = prune_now(one_shot, skip).report
     results["one_shot_top1"] = top1(one_shot, xt, yt)
     permutation = permutation_results(dense, args.width, xt, yt, skip)
     results["one_shot_permuted_top1"] = permutation.pop(
@@ -266,7 +262,7 @@ def main():
         r["sparse_qat_still_2_4"] for r in runs
     )
     stripped = strip_sparsity(sparse)
-    report_after = sparsity_report(sparse, skip_unaligned=skip)
+    report_after = sparsity.report
     results["all_pruned_layers_2_4"] = all(
         r.pattern_valid for r in report_after.rows if r.eligible
     )

@@ -31,7 +31,6 @@ from keras_mp.reference import (
     reference_cnn,
 )
 from keras_mp.sparsity_callback import StructuredSparsity
-from keras_mp.sparsity_report import sparsity_report
 from keras_mp.tensorrt import check_tensorrt
 
 CALIBRATORS = ("max", "percentile", "entropy", "mse")
@@ -247,15 +246,16 @@ def run_demo(output="demo-report", quick=False, overwrite=False):
     # retrain at the training rate (a 1e-4 fine-tune left the pruned model
     # 2.4 points behind the control).
     permute_for_sparsity(sparse)
+    pruning = StructuredSparsity(skip_unaligned=True)
     fine_tune(
         sparse,
         x,
         y,
         qat_epochs,
         learning_rate=TRAIN_LEARNING_RATE,
-        callbacks=[StructuredSparsity(skip_unaligned=True)],
+        callbacks=[pruning],
     )
-    sparsity = sparsity_report(sparse, skip_unaligned=True)
+    sparsity = pruning.report
     sparse_qat = quantize_model(sparse)
     calibrate(sparse_qat, calib, method=QAT_CALIBRATOR, verbose=0)
     # The masks are recomputed on the QAT copy from the kernel's zeros, so

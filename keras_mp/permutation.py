@@ -394,7 +394,7 @@ def permute_for_sparsity(model, m=2, n=4, layers=None, max_swaps=None):
         kernel = getattr(layer, spec[0])
         constraint = getattr(kernel, "constraint", None)
         if isinstance(constraint, SparsityMask):
-            if int(value(constraint.kept)) < constraint.n:
+            if constraint.pruned:
                 raise ValueError(
                     f"Layer {layer.name} is already pruned to "
                     f"{constraint.m}:{constraint.n}; call "

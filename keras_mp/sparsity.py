@@ -230,6 +230,14 @@ def output_channels(layer, kernel):
     return kernel.shape[-1]
 
 
+def pruning_mask(kernel):
+    """The `SparsityMask` of `kernel` when it has pruned it, else None."""
+    constraint = getattr(kernel, "constraint", None)
+    if isinstance(constraint, SparsityMask) and constraint.pruned:
+        return constraint
+    return None
+
+
 def check_eligible(layer, m=2, n=4, pad=False, skip_unaligned=False):
     """The prunable spec of a built layer, or the reason it is skipped."""
     spec = input_channel_axis(layer)
@@ -299,6 +307,11 @@ class SparsityMask(keras.constraints.Constraint, KerasSaveable):
         self.kept_magnitude = keras.Variable(
             1.0, dtype="float32", trainable=False, name="kept_magnitude"
         )
+
+    @property
+    def pruned(self):
+        """Whether the mask has pruned (fewer than `n` kept per group)."""
+        return int(value(self.kept)) < self.n
 
     def __call__(self, w):
         if self.constraint is not None:

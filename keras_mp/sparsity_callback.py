@@ -10,6 +10,7 @@ from keras_mp.sparsity import (
     check_eligible,
     check_m_n,
     input_channel_axis,
+    pruning_mask,
     select_layers,
     value,
 )
@@ -213,11 +214,7 @@ class StructuredSparsity(keras.callbacks.Callback):
     def _warn_if_masked(layer, reason):
         full = input_channel_axis(layer)
         kernel = None if isinstance(full, str) else getattr(layer, full[0])
-        constraint = getattr(kernel, "constraint", None)
-        if (
-            isinstance(constraint, SparsityMask)
-            and int(value(constraint.kept)) < constraint.n
-        ):
+        if pruning_mask(kernel) is not None:
             warnings.warn(
                 f"StructuredSparsity: layer '{layer.name}' is skipped here "
                 f"({reason}) but still carries the SparsityMask of an "
@@ -262,13 +259,9 @@ class StructuredSparsity(keras.callbacks.Callback):
         layers = self.layers
         if isinstance(layers, (list, tuple)):
             layers = list(layers)
+        names = [layers] if isinstance(layers, str) else layers or []
         if not (
-            layers is None
-            or isinstance(layers, str)
-            or (
-                isinstance(layers, list)
-                and all(isinstance(x, str) for x in layers)
-            )
+            isinstance(names, list) and all(isinstance(x, str) for x in names)
         ):
             raise ValueError(
                 "StructuredSparsity.get_config: a `layers` selection by class "

@@ -8,13 +8,13 @@ from keras_mp._compat import optional_import
 from keras_mp.io import atomic_path
 from keras_mp.permutation import search_permutation
 from keras_mp.sparsity import (
-    SparsityMask,
     check_eligible,
     check_m_n,
     check_model,
     input_channel_axis,
     is_2_4_sparse,
     magnitude_mask,
+    pruning_mask,
     select_layers,
     value,
 )
@@ -103,12 +103,6 @@ class SparsityReport:
         return "\n".join(text)
 
 
-def _is_masked(constraint):
-    return isinstance(constraint, SparsityMask) and (
-        int(value(constraint.kept)) < constraint.n
-    )
-
-
 def _row(layer, m, n, pad, permutation, skip_unaligned):
     row = LayerSparsity(layer.name, type(layer).__name__)
     spec = check_eligible(layer, m, n, pad, skip_unaligned)
@@ -121,7 +115,7 @@ def _row(layer, m, n, pad, permutation, skip_unaligned):
         ):
             kernel = getattr(layer, full[0])
             row.kernel_shape, row.axis = tuple(kernel.shape), full[2]
-            if _is_masked(kernel.constraint):
+            if pruning_mask(kernel) is not None:
                 # Pruned earlier under other settings: say so.
                 w = value(kernel)
                 row.masked = True
@@ -131,12 +125,12 @@ def _row(layer, m, n, pad, permutation, skip_unaligned):
     kernel = getattr(layer, kernel_attr)
     w = value(kernel)
     row.kernel_shape, row.axis, row.eligible = w.shape, axis, True
-    constraint = kernel.constraint
-    row.masked = _is_masked(constraint)
+    mask = pruning_mask(kernel)
+    row.masked = mask is not None
     row.pattern_valid = is_2_4_sparse(w, axis, m, n, pad)
     row.fraction_zero = float(np.mean(w == 0))
     if row.masked:
-        row.kept_magnitude = float(value(constraint.kept_magnitude))
+        row.kept_magnitude = float(value(mask.kept_magnitude))
     else:
         total = np.abs(w).sum()
         kept = np.abs(w * magnitude_mask(w, axis, m, n, pad)).sum()

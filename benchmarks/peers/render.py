@@ -44,26 +44,6 @@ GOAL_TITLES = {
     ),
 }
 
-# Results written before the fine-tune orders (one fine-tune per QAT tool,
-# no "orders" in the goal) keep these titles, so `--render` of an old
-# peers.json shows what was measured then.
-SINGLE_ORDER_TITLES = {
-    "keras_mp_qat_top1_at_least_every_peer": "keras_mp QAT top-1 >= every "
-    "peer's (ORT, no opt.)",
-    "keras_mp_qat_vs_its_float32_control_points": "keras_mp QAT - its "
-    "float32 control (Keras), for reference",
-    "tfmot_qat_vs_its_float32_control_points": "tfmot QAT - its float32 "
-    "control (tf_keras), for reference",
-}
-
-
-def _goal_title(name, v):
-    if name in SINGLE_ORDER_TITLES and not (
-        isinstance(v, dict) and "orders" in v
-    ):
-        return SINGLE_ORDER_TITLES[name]
-    return GOAL_TITLES.get(name, name)
-
 
 def _mean_sd(mean, sd):
     return "n/a" if mean is None else f"{mean:.2f} (sd {sd:.2f})"
@@ -102,7 +82,7 @@ def _qat_mean_text(v):
 
 
 def _goal_row(name, v):
-    title = _goal_title(name, v)
+    title = GOAL_TITLES.get(name, name)
     if not isinstance(v, dict):
         return (title, f"{v:+.2f} points", "")
     if "mean_points" in v:
@@ -152,7 +132,7 @@ ORDER_COLUMNS = (
 
 def orders_table(results):
     """Keras top-1 of both QAT tools and their controls per fine-tune order,
-    then mean (sd); no lines for results written before the orders."""
+    then mean (sd); no lines when neither tool ran."""
     runs = {
         tool: (results.get(tool) or {}).get("runs", [])
         for tool in ("keras_mp", "tfmot")
@@ -188,19 +168,13 @@ def orders_table(results):
 
 
 def _finetune_text(c):
-    n = c.get("qat_seeds")
-    if n is None:  # results written before the fine-tune orders
-        return (
-            f"QAT and controls: 1 epoch, {c['finetune']}, same batches in "
-            "the same order for every tool."
-        )
     return (
         f"QAT and controls: 1 epoch, {c['finetune']}, each fine-tuned afresh "
-        f"on {n} fine-tune orders (order 0: one fixed shuffle of the training "
-        "images; order k: that shuffle permuted with seed k; seed "
-        f"{c['seed']} + 1 + k), the same batches in the same order for every "
-        "tool within an order. The table's QAT and control rows, their ONNX "
-        "and train-step figures are the order-0 models."
+        f"on {c['qat_seeds']} fine-tune orders (order 0: one fixed shuffle of "
+        "the training images; order k: that shuffle permuted with seed k; "
+        f"seed {c['seed']} + 1 + k), the same batches in the same order for "
+        "every tool within an order. The table's QAT and control rows, their "
+        "ONNX and train-step figures are the order-0 models."
     )
 
 
