@@ -17,37 +17,20 @@ from keras_mp._compat import check_tensorflow
 
 check_tensorflow()
 
-from keras_mp.annotate import (
-    QuantizeAnnotate,
-    quantize_annotate_layer,
-    quantize_annotate_model,
-    quantize_apply,
-    quantize_model,
-)
-from keras_mp.calibrate import calibrate, quantization_report
-from keras_mp.config import QuantizeConfig
 from keras_mp.datasets import (
     load_digits,
     load_fashion_mnist,
     load_images,
     shuffled_batches,
 )
-from keras_mp.export import (
-    ExportError,
-    ParityError,
-    export_onnx,
-    export_saved_model,
-    strip_quantization,
-    verify_onnx,
-)
-from keras_mp.layers import (
-    QuantizeActivation,
-    QuantizeWrapper,
-    set_quantization_enabled,
-)
-from keras_mp.loss_scale import (
+from keras_mp.mixed_precision import (
     LossScaleMonitor,
     LossScaleOptimizer,
+    apply_mixed_precision,
+    enable_mixed_precision,
+    is_precision_sensitive,
+    mixed_precision_audit,
+    set_tf32,
 )
 from keras_mp.muppet import (
     FixedPointInput,
@@ -58,20 +41,37 @@ from keras_mp.muppet import (
     fixed_point_model,
     plot_precision,
 )
-from keras_mp.permutation import permute_for_sparsity, search_permutation
-from keras_mp.policy import (
-    apply_mixed_precision,
-    enable_mixed_precision,
-    is_precision_sensitive,
-    mixed_precision_audit,
-    set_tf32,
-)
-from keras_mp.sparsity import is_2_4_sparse, strip_sparsity
-from keras_mp.sparsity_callback import StructuredSparsity
-from keras_mp.sparsity_report import plot_sparsity, sparsity_report
-from keras_mp.tensorrt import (
+from keras_mp.onnx import (
+    ExportError,
     Finding,
     LintReport,
+    ParityError,
     check_tensorrt,
+    export_onnx,
+    export_saved_model,
+    strip_quantization,
     trtexec_command,
+    verify_onnx,
+)
+from keras_mp.quantization import (
+    QuantizeActivation,
+    QuantizeAnnotate,
+    QuantizeConfig,
+    QuantizeWrapper,
+    calibrate,
+    quantization_report,
+    quantize_annotate_layer,
+    quantize_annotate_model,
+    quantize_apply,
+    quantize_model,
+    set_quantization_enabled,
+)
+from keras_mp.sparsity import (
+    StructuredSparsity,
+    is_2_4_sparse,
+    permute_for_sparsity,
+    plot_sparsity,
+    search_permutation,
+    sparsity_report,
+    strip_sparsity,
 )

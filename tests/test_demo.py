@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from keras_mp import cli, demo
+from keras_mp import cli
+from keras_mp.cli import demo
 
 
 @pytest.fixture(scope="module")

@@ -7,16 +7,11 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import small_cnn
+from tests.conftest import small_cnn
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from keras_mp.fixed_point import (
-    fixed_point_layers,
-    fixed_point_ste,
-    precision_state,
-)
 from keras_mp.muppet import (
     FixedPointWrapper,
     PrecisionSwitching,
@@ -29,6 +24,8 @@ from keras_mp.muppet import (
     set_word_length,
     switching_threshold,
 )
+from keras_mp.muppet.model import fixed_point_layers, precision_state
+from keras_mp.muppet.quantizer import fixed_point_ste
 
 
 def q(x, bits, seed=None, per_sample=False):

@@ -6,11 +6,14 @@ import keras
 import numpy as np
 import pytest
 
-from keras_mp.permutation import permute_for_sparsity, search_permutation
 from keras_mp.reference import reference_cnn
-from keras_mp.sparsity import magnitude_mask
-from keras_mp.sparsity_callback import StructuredSparsity
-from keras_mp.sparsity_report import plot_sparsity, sparsity_report
+from keras_mp.sparsity.callback import StructuredSparsity
+from keras_mp.sparsity.masks import magnitude_mask
+from keras_mp.sparsity.permutation import (
+    permute_for_sparsity,
+    search_permutation,
+)
+from keras_mp.sparsity.report import plot_sparsity, sparsity_report
 
 L = keras.layers
 

@@ -1,10 +1,10 @@
 import keras
 import numpy as np
 import pytest
-from conftest import small_cnn
+from tests.conftest import small_cnn
 
 import keras_mp
-from keras_mp import policy
+from keras_mp.mixed_precision import policy
 
 
 def test_enable_returns_previous_and_restores_as_context():

@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from keras_mp.sparsity import (
+from keras_mp.sparsity.callback import StructuredSparsity
+from keras_mp.sparsity.masks import (
     SparsityMask,
     check_eligible,
     input_channel_axis,
@@ -17,8 +18,7 @@ from keras_mp.sparsity import (
     sparse_layers,
     strip_sparsity,
 )
-from keras_mp.sparsity_callback import StructuredSparsity
-from keras_mp.sparsity_report import plot_sparsity, sparsity_report
+from keras_mp.sparsity.report import plot_sparsity, sparsity_report
 
 IN, OUT = 8, 12
 L = keras.layers

@@ -11,7 +11,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from keras_mp.tensorrt import check_tensorrt, is_2_4_sparse_onnx_weight
+from keras_mp.onnx.tensorrt import check_tensorrt, is_2_4_sparse_onnx_weight
 
 RNG = np.random.default_rng(0)
 

@@ -1,0 +1,88 @@
+"""One model check, one layer walker, one way to reset compiled functions."""
+
+import keras
+
+from keras_mp import _keras
+
+# Where tf_keras (Keras 2) keeps its model and layer classes.
+_KERAS_2_MODULES = ("tf_keras", "keras.src.engine", "keras.engine")
+
+
+def check_model(model, caller):
+    """Raises a TypeError naming `caller` unless `model` is a Keras 3 model.
+
+    Args:
+        model: the object a user passed.
+        caller: str. The public function's name, for the message.
+    """
+    if isinstance(model, keras.Model):
+        return
+    hint = ""
+    if type(model).__module__.startswith(_KERAS_2_MODULES):
+        hint = (
+            " tf_keras (Keras 2) models are not supported: rebuild it with "
+            "Keras 3 (`import keras`)."
+        )
+    raise TypeError(
+        f"`{caller}` expects a Keras 3 `keras.Model`. Received: "
+        f"{type(model).__module__}.{type(model).__name__}.{hint}"
+    )
+
+
+def check_graph_model(model, caller, alternative):
+    """Raises a TypeError unless `model` is a Sequential or Functional model.
+
+    Args:
+        model: a `keras.Model` (see `check_model`).
+        caller: str. The public function's name.
+        alternative: str. What a user with a subclassed model can do.
+    """
+    check_model(model, caller)
+    if not _keras.is_graph_model(model):
+        raise TypeError(
+            f"`{caller}` needs the layer graph of a Sequential or Functional "
+            f"model; model {model.name!r} is a subclassed "
+            f"{type(model).__name__}, whose graph is Python code. "
+            f"{alternative}"
+        )
+
+
+def walk_layers(root, include_models=False, stop_at=()):
+    """Every layer inside `root`, at any depth, each once, in tracking order.
+
+    Walks Keras' layer tracker: the layers of nested models, the inner layer
+    of a `keras.layers.Wrapper`, and the sublayers that custom layers keep
+    as attributes.
+
+    Args:
+        root: a `keras.Model` or layer (not itself yielded).
+        include_models: bool. Also yield nested `keras.Model`s (before their
+            layers). Defaults to False.
+        stop_at: tuple of layer classes yielded but not entered (e.g. a
+            quantize wrapper, whose inner layer is not a layer of its own).
+
+    Yields:
+        `keras.layers.Layer`s, parents before children.
+    """
+    seen = {id(root)}
+
+    def visit(layer):
+        for child in _keras.sublayers(layer):
+            if id(child) in seen:
+                continue
+            seen.add(id(child))
+            if not isinstance(child, keras.Model) or include_models:
+                yield child
+            if not isinstance(child, stop_at):
+                yield from visit(child)
+
+    yield from visit(root)
+
+
+def reset_compiled_functions(model):
+    """Drops `model`'s traced train/test/predict functions, so the next
+    `fit`, `evaluate` or `predict` traces them again with the current
+    layer state (e.g. after turning fake quantization off)."""
+    for name in ("train_function", "test_function", "predict_function"):
+        if getattr(model, name, None) is not None:
+            setattr(model, name, None)

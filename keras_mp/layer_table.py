@@ -1,0 +1,277 @@
+"""One row per Keras layer type: what every feature needs to know of it.
+
+Quantization reads which weights get fake-quantized (and their
+output-channel axes) and which inputs get a Q/DQ; sparsity reads the
+input-channel axis that 2:4 groups run along and the constraint that holds
+the mask; channel permutation reads whether a layer passes channels through;
+mixed precision reads which types stay in float32. The support matrix page
+(`docs/support_matrix.md`) is generated from this table. Supporting a new
+layer type is one row here plus one entry in the conformance list of
+`tests/test_layer_table.py`.
+
+Kernel layouts (Keras, channels last): ConvND `(..., in, out)`;
+ConvNDTranspose `(..., out, in)`; DepthwiseConvND `(..., in, multiplier)`,
+whose output channel is `in * multiplier`; Dense `(in, out)`.
+"""
+
+import dataclasses
+import math
+
+import keras
+
+L = keras.layers
+
+# Which inputs of a layer get a Q/DQ (TensorRT's placement rules).
+ALL_INPUTS = "all"  # weighted layers (Q/DQ on inputs, never on outputs)
+SKIP_INPUTS = "skip"  # residual Add: the inputs not fused with a conv
+NO_INPUTS = "none"
+
+# Roles in a channel permutation (sparsity/permutation.py).
+GEMM = "gemm"  # its kernel's input and output channels can be reordered
+CONSUMER = "consumer"  # only its input channels can be reordered
+CHANNELWISE = "channelwise"  # output channel c depends on input channel c
+
+
+@dataclasses.dataclass(frozen=True)
+class Weight:
+    """One weight of a layer type.
+
+    Attributes:
+        attr: str. The layer attribute holding the variable.
+        out_axes: tuple of int. Kernel axes whose product is the output
+            channel (per-channel ranges run over it); `()` for one range per
+            tensor.
+        in_axis: int or None. The input-channel (GEMM reduction) axis that
+            2:4 groups run along; None when the weight cannot be pruned.
+        constraint: str. The layer attribute holding its constraint.
+    """
+
+    attr: str
+    out_axes: tuple = ()
+    in_axis: int = None
+    constraint: str = None
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerRow:
+    """What keras_mp knows of one layer type.
+
+    Attributes:
+        weights: tuple of `Weight`, the ones quantization fake-quantizes.
+        inputs: str. Default Q/DQ placement: `"all"`, `"skip"`, `"none"`.
+        quantizable: bool. `quantize_model` may wrap it.
+        weighted: bool. TensorRT runs it as a Conv/MatMul (a Q/DQ-fusable
+            producer for a following residual Add).
+        prune: `Weight` or None. The weight 2:4 sparsity prunes.
+        not_prunable: str. Why a type with weights cannot be pruned.
+        permute: str. Its channel-permutation role, or "" for none.
+        float32: bool. Mixed precision keeps it in float32.
+    """
+
+    weights: tuple = ()
+    inputs: str = NO_INPUTS
+    quantizable: bool = False
+    weighted: bool = False
+    prune: Weight = None
+    not_prunable: str = ""
+    permute: str = ""
+    float32: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """A feature's decision for one layer: `value` when it applies, else
+    the `reason` it does not (`ok` is False)."""
+
+    value: object = None
+    reason: str = ""
+
+    @property
+    def ok(self):
+        return not self.reason
+
+
+def _conv(kernel="kernel", out=(-1,), prune_axis=-2, constraint=None):
+    weight = Weight(
+        kernel, out, prune_axis, constraint or f"{kernel}_constraint"
+    )
+    return LayerRow(
+        weights=(weight,),
+        inputs=ALL_INPUTS,
+        quantizable=True,
+        weighted=True,
+        prune=weight,
+        permute=GEMM,
+    )
+
+
+_DEPTHWISE = dataclasses.replace(
+    _conv(out=(-2, -1), prune_axis=None),
+    prune=None,
+    not_prunable="depthwise conv: one input channel per output, no channel "
+    "group",
+    permute="",
+)
+_SEPARABLE = LayerRow(
+    weights=(
+        Weight("depthwise_kernel", (-2, -1)),
+        Weight("pointwise_kernel", (-1,), -2, "pointwise_constraint"),
+    ),
+    inputs=ALL_INPUTS,
+    quantizable=True,
+    weighted=True,
+    prune=Weight("pointwise_kernel", (-1,), -2, "pointwise_constraint"),
+)
+_TRANSPOSE = dataclasses.replace(
+    _conv(out=(-2,), prune_axis=-1), permute=CONSUMER
+)
+# Pooling runs in INT8 when its input is quantized, but TensorRT moves the
+# next layer's Q/DQ across max pooling by itself: off by default (extra Q/DQ
+# only add latency), on with `QuantizeConfig(quantize_inputs=True)`.
+_POOL = LayerRow(quantizable=True, permute=CHANNELWISE)
+_CHANNEL_WISE = LayerRow(permute=CHANNELWISE)
+_FLOAT32 = LayerRow(float32=True)
+
+
+def _einsum_parts(equation):
+    """`(input, kernel, output)` subscripts of an EinsumDense equation,
+    broadcast dimensions (`...`) dropped."""
+    inputs, output = equation.replace("...", "").split("->")
+    x_spec, kernel_spec = inputs.split(",")
+    return x_spec, kernel_spec, output
+
+
+def _einsum_row(layer):
+    """EinsumDense: per-channel on the one kernel axis that reaches the
+    output; per-tensor when several do (no single channel axis). 2:4 groups
+    run along the last kernel axis contracted with the input."""
+    x_spec, kernel_spec, output = _einsum_parts(layer.equation)
+    out = [i for i, c in enumerate(kernel_spec) if c in output]
+    contracted = [c for c in kernel_spec if c in x_spec and c not in output]
+    weight = Weight(
+        "kernel",
+        tuple(out) if len(out) == 1 else (),
+        kernel_spec.index(contracted[-1]) if contracted else None,
+        "kernel_constraint",
+    )
+    return LayerRow(
+        weights=(weight,),
+        inputs=ALL_INPUTS,
+        quantizable=True,
+        weighted=True,
+        prune=weight if contracted else None,
+        not_prunable=""
+        if contracted
+        else f"EinsumDense equation '{layer.equation}' contracts no kernel "
+        "axis with the input",
+    )
+
+
+TABLE = {
+    L.Conv1D: _conv(),
+    L.Conv2D: _conv(),
+    L.Conv3D: _conv(),
+    L.Conv1DTranspose: _TRANSPOSE,
+    L.Conv2DTranspose: _TRANSPOSE,
+    L.Conv3DTranspose: _TRANSPOSE,
+    L.DepthwiseConv1D: _DEPTHWISE,
+    L.DepthwiseConv2D: _DEPTHWISE,
+    L.SeparableConv1D: _SEPARABLE,
+    L.SeparableConv2D: _SEPARABLE,
+    L.Dense: _conv(),
+    L.EinsumDense: _einsum_row,
+    L.Add: LayerRow(inputs=SKIP_INPUTS, quantizable=True),
+    L.Concatenate: LayerRow(inputs=ALL_INPUTS, quantizable=True),
+    L.MaxPooling2D: _POOL,
+    L.AveragePooling2D: _POOL,
+    L.GlobalAveragePooling2D: _POOL,
+    **dict.fromkeys(
+        (
+            L.MaxPooling1D,
+            L.MaxPooling3D,
+            L.AveragePooling1D,
+            L.AveragePooling3D,
+            L.GlobalAveragePooling1D,
+            L.GlobalAveragePooling3D,
+            L.GlobalMaxPooling1D,
+            L.GlobalMaxPooling2D,
+            L.GlobalMaxPooling3D,
+            L.Activation,
+            L.ReLU,
+            L.LeakyReLU,
+            L.ELU,
+            L.Dropout,
+        ),
+        _CHANNEL_WISE,
+    ),
+    L.BatchNormalization: dataclasses.replace(_FLOAT32, permute=CHANNELWISE),
+    **dict.fromkeys(
+        (
+            L.LayerNormalization,
+            L.GroupNormalization,
+            L.UnitNormalization,
+            L.Normalization,
+            L.Softmax,
+        ),
+        _FLOAT32,
+    ),
+}
+
+# Activation functions mixed precision keeps in float32, as layer types.
+FLOAT32_ACTIVATIONS = ("softmax", "log_softmax")
+
+
+def row_for(layer):
+    """The `LayerRow` of `layer`'s type (its closest listed base class), or
+    None when the table does not know the type."""
+    for cls in type(layer).__mro__:
+        row = TABLE.get(cls)
+        if row is not None:
+            return row(layer) if callable(row) else row
+    return None
+
+
+def quantizable_names():
+    """Names of the layer types `quantize_model` can wrap, sorted."""
+    return sorted(
+        cls.__name__
+        for cls, row in TABLE.items()
+        if callable(row) or row.quantizable
+    )
+
+
+def prunable_weight(layer):
+    """`Verdict` whose value is the `Weight` 2:4 sparsity prunes."""
+    row = row_for(layer)
+    if row is None or (row.prune is None and not row.not_prunable):
+        return Verdict(
+            reason=f"{type(layer).__name__} is not a supported layer type"
+        )
+    if row.prune is None:
+        return Verdict(reason=row.not_prunable)
+    return Verdict(row.prune)
+
+
+def output_channels(layer, kernel):
+    """Output channels (GEMM N) of a prunable kernel: for EinsumDense, the
+    kernel axes that reach the output and are not in the input."""
+    if isinstance(layer, L.EinsumDense):
+        x_spec, kernel_spec, output = _einsum_parts(layer.equation)
+        return math.prod(
+            size
+            for c, size in zip(kernel_spec, kernel.shape)
+            if c in output and c not in x_spec
+        )
+    weight = row_for(layer).prune
+    return math.prod(kernel.shape[a] for a in weight.out_axes)
+
+
+def keeps_float32(layer):
+    """Whether the AMP rules keep `layer` in float32 by its type or its
+    activation (normalizations, softmax)."""
+    row = row_for(layer)
+    if row is not None and row.float32:
+        return True
+    activation = getattr(layer, "activation", None)
+    name = getattr(activation, "__name__", activation)
+    return name in FLOAT32_ACTIVATIONS

@@ -1,0 +1,33 @@
+"""MuPPET: multi-precision fixed-point training with precision switching.
+
+`fixed_point_model` makes the fixed-point copy of a model, the
+`PrecisionSwitching` callback moves it up the word-length schedule during
+`fit`, and `estimate_speedup` prices a run with the GPU cost model. Guide:
+`docs/muppet.md`.
+"""
+
+from keras_mp.muppet.callback import PrecisionSwitching
+from keras_mp.muppet.cost import (
+    GPU_THROUGHPUT,
+    estimate_speedup,
+    precision_unit,
+)
+from keras_mp.muppet.layers import (
+    FixedPointInput,
+    FixedPointWrapper,
+    PrecisionState,
+)
+from keras_mp.muppet.model import (
+    fixed_point_layers,
+    fixed_point_model,
+    precision_state,
+    set_word_length,
+)
+from keras_mp.muppet.plot import plot_precision
+from keras_mp.muppet.policy import (
+    DEFAULT_SCHEDULE,
+    SwitchingPolicy,
+    gradient_diversity,
+    switching_threshold,
+)
+from keras_mp.muppet.quantizer import fixed_point_quantize

@@ -1,0 +1,21 @@
+"""INT8 fake quantization the way TensorRT wants it.
+
+Annotate -> apply -> calibrate (PTQ) and/or `fit` (QAT) -> strip: the
+quantize layers, their configuration, the calibrators and the report.
+Guide: `docs/quantization.md`.
+"""
+
+from keras_mp.quantization.annotate import (
+    QuantizeAnnotate,
+    quantize_annotate_layer,
+    quantize_annotate_model,
+    quantize_apply,
+    quantize_model,
+)
+from keras_mp.quantization.calibrate import calibrate, quantization_report
+from keras_mp.quantization.config import QuantizeConfig
+from keras_mp.quantization.layers import (
+    QuantizeActivation,
+    QuantizeWrapper,
+    set_quantization_enabled,
+)

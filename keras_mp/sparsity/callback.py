@@ -1,0 +1,286 @@
+"""`StructuredSparsity`: the 2:4 pruning callback for `model.fit`."""
+
+import warnings
+
+import keras
+
+from keras_mp.sparsity.masks import (
+    SCHEDULES,
+    SparsityMask,
+    check_eligible,
+    check_m_n,
+    input_channel_axis,
+    pruning_mask,
+    select_layers,
+    value,
+)
+from keras_mp.sparsity.report import sparsity_report
+
+
+@keras.saving.register_keras_serializable(package="keras_mp")
+class StructuredSparsity(keras.callbacks.Callback):
+    """Prunes kernels to m:n structured sparsity (2:4 for TensorRT) in `fit`.
+
+    Masks keep the `m` largest |w| of every group of `n` consecutive input
+    channels (ties to the lower index). Each pruned kernel gets a
+    `SparsityMask` constraint whose mask is a non-trainable variable; the
+    optimizer applies it after every update inside the compiled train step,
+    so the pattern holds on every step, with `steps_per_execution > 1`,
+    under `jit_compile=True` and with `tf.distribute` strategies. The masks
+    are saved with the model (`.keras`, `save_weights`, `BackupAndRestore`)
+    and stay on after `fit`: call `strip_sparsity` to export.
+
+    The masks are created when `fit` starts, before any other callback's
+    `on_train_begin` (so `BackupAndRestore` restores them), and are filled
+    at the first batch where the schedule asks for it. A new mask is
+    computed only at callback points: with `steps_per_execution=k`, a
+    schedule step lands on the next multiple of `k`.
+
+    Layers that cannot be pruned are skipped and listed in `self.report`
+    (a `SparsityReport`): input channels not a multiple of `n` (this
+    includes a first conv on gray or RGB input), depthwise convolutions,
+    unsupported layer types. With `pad=True` a channel count that is not a
+    multiple of `n` is treated as zero-padded instead. With
+    `skip_unaligned=True` the callback also leaves dense the layers NVIDIA
+    ASP leaves dense: output channels not a multiple of 8 or input channels
+    not a multiple of 16 (a 10-way classifier, for one). Sparse Tensor Core
+    kernels do not take those shapes, so pruning them costs accuracy and
+    gains no speed.
+
+    Args:
+        m: int. Weights kept per group. Defaults to 2.
+        n: int. Group size. Defaults to 4.
+        schedule: str. `"one_shot"`: prune to m:n at `begin_step` and keep
+            the masks fixed. `"gradual"`: from dense at `begin_step`, keep
+            one weight fewer per group at evenly spaced steps until m:n at
+            `end_step` (2:4 goes dense -> 3:4 -> 2:4). Defaults to
+            `"one_shot"`.
+        begin_step: int. Optimizer step (`optimizer.iterations`) at which
+            pruning starts. Defaults to 0.
+        end_step: int. Step at which `"gradual"` reaches m:n; required for
+            it, not allowed with `"one_shot"`. Defaults to None.
+        layers: which layers to prune: a layer name or regex (str, matched
+            in full), a layer class, a callable `f(layer) -> bool`, or a
+            list of these. Defaults to None: every supported layer.
+        pad: bool. Zero-pad channel counts that are not a multiple of `n`.
+            Defaults to False.
+        skip_unaligned: bool. Skip layers whose output channels are not a
+            multiple of 8 or whose input channels are not a multiple of 16
+            (NVIDIA ASP's rule). Defaults to False: prune every layer whose
+            input channels are a multiple of `n`.
+        verbose: int. 1 prints the skipped layers when fit starts.
+            Defaults to 0.
+
+    Raises:
+        ValueError: bad `m`/`n`, unknown `schedule`, bad steps, or (when
+            `fit` starts) a `layers` selection that matches no layer or
+            selects no layer that can be pruned (the message lists each
+            layer's reason).
+
+    Example:
+
+    >>> model.fit(x, y, epochs=3)  # doctest: +SKIP
+    >>> sparsity = keras_mp.StructuredSparsity()  # doctest: +SKIP
+    >>> model.fit(x, y, epochs=3, callbacks=[sparsity])  # doctest: +SKIP
+    >>> print(sparsity.report)  # doctest: +SKIP
+    >>> deploy = keras_mp.strip_sparsity(model)  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        m=2,
+        n=4,
+        schedule="one_shot",
+        begin_step=0,
+        end_step=None,
+        layers=None,
+        pad=False,
+        skip_unaligned=False,
+        verbose=0,
+    ):
+        super().__init__()
+        check_m_n(m, n)
+        if schedule not in SCHEDULES:
+            raise ValueError(
+                f"`schedule` must be one of {SCHEDULES}. "
+                f"Received: schedule={schedule!r}"
+            )
+        if not isinstance(begin_step, int) or begin_step < 0:
+            raise ValueError(
+                "`begin_step` must be an integer >= 0. "
+                f"Received: begin_step={begin_step!r}"
+            )
+        if schedule == "gradual" and (
+            not isinstance(end_step, int) or end_step <= begin_step
+        ):
+            raise ValueError(
+                "schedule='gradual' needs an integer `end_step` greater than "
+                f"`begin_step`. Received: begin_step={begin_step}, "
+                f"end_step={end_step!r}"
+            )
+        if schedule == "one_shot" and end_step is not None:
+            raise ValueError(
+                "`end_step` only applies to schedule='gradual'; one_shot "
+                f"prunes at `begin_step`. Received: end_step={end_step!r}"
+            )
+        self.m = m
+        self.n = n
+        self.schedule = schedule
+        self.begin_step = begin_step
+        self.end_step = end_step
+        self.layers = layers
+        self.pad = pad
+        self.skip_unaligned = skip_unaligned
+        self.verbose = verbose
+        self._targets = []
+        self._done = False
+
+    def kept_at(self, step):
+        """Weights kept per group that the schedule asks for at `step`."""
+        if step < self.begin_step:
+            return self.n
+        if self.schedule == "one_shot" or step >= self.end_step:
+            return self.m
+        stages = self.n - self.m
+        done = (
+            stages
+            * (step - self.begin_step)
+            // (self.end_step - self.begin_step)
+        )
+        return self.n - done
+
+    def set_model(self, model):
+        super().set_model(model)
+        # `fit` builds the model before it calls `set_model`, and calls
+        # `set_model` on every callback before any `on_train_begin`.
+        if model.built:
+            self._attach()
+
+    def on_train_begin(self, logs=None):
+        if not self._targets:
+            self._attach()
+
+    def _attach(self):
+        model = self.model
+        chosen = select_layers(model, self.layers)
+        self._targets, self._done, added = [], False, False
+        specs = [
+            check_eligible(x, self.m, self.n, self.pad, self.skip_unaligned)
+            for x in chosen
+        ]
+        if all(isinstance(spec, str) for spec in specs):
+            reasons = "; ".join(
+                f"{layer.name}: {spec}" for layer, spec in zip(chosen, specs)
+            )
+            raise ValueError(
+                f"StructuredSparsity found no layer of model '{model.name}' "
+                f"that can be pruned to {self.m}:{self.n}, so `fit` would "
+                "train it dense. "
+                + (f"Skipped: {reasons}." if chosen else "It has no kernel.")
+            )
+        for layer, spec in zip(chosen, specs):
+            if isinstance(spec, str):
+                self._warn_if_masked(layer, spec)
+                continue
+            kernel_attr, constraint_attr, axis = spec
+            kernel = getattr(layer, kernel_attr)
+            constraint = kernel.constraint
+            if not self._reusable(constraint, axis):
+                if isinstance(constraint, SparsityMask):
+                    constraint = constraint.constraint
+                with model.distribute_strategy.scope():
+                    constraint = SparsityMask(
+                        kernel.shape,
+                        axis,
+                        self.m,
+                        self.n,
+                        self.pad,
+                        constraint=constraint,
+                    )
+                kernel.constraint = constraint
+                setattr(layer, constraint_attr, constraint)
+                added = True
+            self._targets.append((kernel, constraint))
+        if added and getattr(model, "train_function", None) is not None:
+            # A train step traced before the constraints existed (an earlier
+            # `fit`) would not apply them: trace it again.
+            model.make_train_function(force=True)
+        if self.verbose:
+            skipped = [r for r in self.report.rows if not r.eligible]
+            for row in skipped:
+                print(f"StructuredSparsity: skipping {row.name}: {row.reason}")
+
+    @staticmethod
+    def _warn_if_masked(layer, reason):
+        full = input_channel_axis(layer)
+        kernel = None if isinstance(full, str) else getattr(layer, full[0])
+        if pruning_mask(kernel) is not None:
+            warnings.warn(
+                f"StructuredSparsity: layer '{layer.name}' is skipped here "
+                f"({reason}) but still carries the SparsityMask of an "
+                "earlier pruning, which keeps applying. Prune with the "
+                "earlier settings, or start from `strip_sparsity(model)` "
+                "and retrain that layer dense.",
+                stacklevel=3,
+            )
+
+    @property
+    def report(self):
+        """A `SparsityReport` of the selected layers, as they are now."""
+        if self.model is None:
+            return None
+        return sparsity_report(
+            self.model,
+            self.m,
+            self.n,
+            layers=self.layers,
+            pad=self.pad,
+            skip_unaligned=self.skip_unaligned,
+        )
+
+    def _reusable(self, constraint, axis):
+        return (
+            isinstance(constraint, SparsityMask)
+            and (constraint.m, constraint.n) == (self.m, self.n)
+            and constraint.axis == axis % len(constraint.shape)
+            and constraint.pad == self.pad
+        )
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self._done:
+            return
+        target = self.kept_at(int(value(self.model.optimizer.iterations)))
+        for kernel, constraint in self._targets:
+            if int(value(constraint.kept)) != target:
+                constraint.prune(kernel, target)
+        self._done = target == self.m
+
+    def get_config(self):
+        layers = self.layers
+        if isinstance(layers, (list, tuple)):
+            layers = list(layers)
+        names = [layers] if isinstance(layers, str) else layers or []
+        if not (
+            isinstance(names, list) and all(isinstance(x, str) for x in names)
+        ):
+            raise ValueError(
+                "StructuredSparsity.get_config: a `layers` selection by class "
+                "or callable cannot be serialized. Select the layers by name "
+                f"or regex to serialize this callback. Received: "
+                f"layers={self.layers!r}"
+            )
+        return {
+            "m": self.m,
+            "n": self.n,
+            "schedule": self.schedule,
+            "begin_step": self.begin_step,
+            "end_step": self.end_step,
+            "layers": layers,
+            "pad": self.pad,
+            "skip_unaligned": self.skip_unaligned,
+            "verbose": self.verbose,
+        }
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(**config)
