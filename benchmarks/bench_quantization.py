@@ -154,7 +154,7 @@ def main():
         qmodel = keras_mp.quantize_model(fmodel)
         quantize_s = time.perf_counter() - start
         start = time.perf_counter()
-        report = keras_mp.quantization.calibrate(
+        report = keras_mp.calibrate(
             qmodel, xc, method=method, batch_size=BATCH, verbose=0
         )
         calib_s = time.perf_counter() - start
@@ -194,7 +194,7 @@ def main():
         control = keras.models.clone_model(fmodel)
         control.set_weights(float_weights)
         qat = keras_mp.quantize_model(fmodel)
-        keras_mp.quantization.calibrate(
+        keras_mp.calibrate(
             qat, xc, method=args.qat_calibrator, batch_size=BATCH, verbose=0
         )
         return control, qat
@@ -428,7 +428,7 @@ def interleaved_finetune(control, qat, xf, yf, args, steps):
 
 
 def _activation_ranges(model):
-    from keras_mp.quantization.calibrate import _activation_quantizers
+    from keras_mp.calibrate import _activation_quantizers
 
     return {
         k: float(q.amax.numpy())

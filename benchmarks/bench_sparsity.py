@@ -218,7 +218,7 @@ def main():
             "sparse_retrained_top1": top1(sparse, xt, yt),
         }
         qat = keras_mp.quantize_model(sparse)
-        keras_mp.quantization.calibrate(
+        keras_mp.calibrate(
             qat, x[:2048], method=QAT_CALIBRATOR, verbose=0
         )
         control_ft = copy_of(control, args.width)

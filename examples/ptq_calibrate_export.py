@@ -6,7 +6,7 @@ four calibrators (`max`, `percentile`, `entropy`, `mse`):
 
 1. `keras_mp.quantize_model` puts TensorRT-style Q/DQ on the inputs of the
    weighted layers and on the skip input of the residual Add;
-2. `keras_mp.quantization.calibrate` sets the activation ranges from 2,048 training
+2. `keras_mp.calibrate` sets the activation ranges from 2,048 training
    images;
 3. the quantized model is evaluated on held-out training images and on
    the test set.
@@ -88,7 +88,7 @@ def main(argv=None):
     results = {}
     for method in METHODS:
         qmodel = keras_mp.quantize_model(model)
-        calibration = keras_mp.quantization.calibrate(
+        calibration = keras_mp.calibrate(
             qmodel, calibration_images, method=method, verbose=0
         )
         compile_classifier(qmodel)

@@ -13,7 +13,7 @@ The steps:
 2. `keras_mp.quantize_model`: Q/DQ on the inputs of every Conv, depthwise
    Conv and Dense, and on the skip input of each residual Add, as TensorRT
    wants them;
-3. `keras_mp.quantization.calibrate` (PTQ) from 2,048 training images;
+3. `keras_mp.calibrate` (PTQ) from 2,048 training images;
 4. QAT: `fit` the quantized model for one epoch at a tenth of the learning
    rate with cosine decay (activation ranges stay frozen);
 5. `keras_mp.export_onnx(..., verify_data=...)` and `keras_mp.check_tensorrt`
@@ -143,7 +143,7 @@ def main(argv=None):
         f"quantize_model: {len(quantized)} of {len(rows)} layers get Q/DQ "
         f"({', '.join(kinds)})."
     )
-    keras_mp.quantization.calibrate(qmodel, x[:2048], method="max", verbose=0)
+    keras_mp.calibrate(qmodel, x[:2048], method="max", verbose=0)
     compile_model(qmodel, 1e-3)
     _, ptq_top1 = qmodel.evaluate(xt, yt, batch_size=512, verbose=0)
     print(f"PTQ (max calibration) test top-1: {100 * ptq_top1:.2f}%")

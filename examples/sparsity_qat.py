@@ -16,7 +16,7 @@ Fashion-MNIST this example:
 3. prints `keras_mp.sparsity.report` and bakes the zeros in with
    `keras_mp.strip_sparsity`;
 4. quantizes the sparse model (`keras_mp.quantize_model` +
-   `keras_mp.quantization.calibrate`) and runs QAT with the same callback again:
+   `keras_mp.calibrate`) and runs QAT with the same callback again:
    its masks are recomputed from the kernels, whose zeros are already 2:4,
    so QAT keeps the same pattern (symmetric INT8 maps 0 to 0);
 5. exports Q/DQ ONNX, where `keras_mp.check_tensorrt` finds the 2:4 sparse
@@ -102,7 +102,7 @@ def main(argv=None):
 
     print("\nINT8 QAT of the sparse model, 2:4 kept by StructuredSparsity")
     qmodel = keras_mp.quantize_model(sparse)
-    keras_mp.quantization.calibrate(qmodel, x[:2048], method="max", verbose=0)
+    keras_mp.calibrate(qmodel, x[:2048], method="max", verbose=0)
     ptq_top1 = top1(qmodel)
     # QAT: a tenth of the learning rate.
     fine_tune(

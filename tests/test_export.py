@@ -17,7 +17,7 @@ from keras_mp.reference import reference_cnn
 
 def _quantized(model, x):
     qmodel = keras_mp.quantize_model(model)
-    keras_mp.quantization.calibrate(qmodel, x, verbose=0)
+    keras_mp.calibrate(qmodel, x, verbose=0)
     return qmodel
 
 
@@ -117,7 +117,7 @@ def test_bad_exports_leave_nothing_half_written(tmp_path):
     with pytest.raises(keras_mp.ExportError, match="Uncalibrated"):
         keras_mp.export_onnx(qmodel, path)
     assert not path.exists()
-    keras_mp.quantization.calibrate(qmodel, x, verbose=0)
+    keras_mp.calibrate(qmodel, x, verbose=0)
     path.write_bytes(b"previous")
     with pytest.raises(keras_mp.ExportError, match="overwrite"):
         keras_mp.export_onnx(qmodel, path)
@@ -198,7 +198,7 @@ def test_sparse_then_qat_keeps_2_4_through_export(tmp_path):
         x, y, epochs=1, verbose=0, callbacks=[keras_mp.StructuredSparsity()]
     )
     qmodel = keras_mp.quantize_model(model)
-    keras_mp.quantization.calibrate(qmodel, x, verbose=0)
+    keras_mp.calibrate(qmodel, x, verbose=0)
     qmodel.compile(
         keras.optimizers.Adam(1e-3), "sparse_categorical_crossentropy"
     )
@@ -288,14 +288,14 @@ def test_multi_input_model_calibrates_exports_and_verifies(tmp_path):
         rng.random((32, 6), np.float32),
     ]
     qmodel = keras_mp.quantize_model(_two_input_model())
-    keras_mp.quantization.calibrate(qmodel, xs, verbose=0)
+    keras_mp.calibrate(qmodel, xs, verbose=0)
     amax = [q.amax.numpy() for q in _activation_quantizers(qmodel)]
     # the same data as (dict of inputs, labels) batches gives the same ranges
     batches = [
         ({"image": xs[0][i : i + 8], "extra": xs[1][i : i + 8]}, None)
         for i in range(0, 32, 8)
     ]
-    keras_mp.quantization.calibrate(qmodel, batches, verbose=0)
+    keras_mp.calibrate(qmodel, batches, verbose=0)
     np.testing.assert_array_equal(
         amax, [q.amax.numpy() for q in _activation_quantizers(qmodel)]
     )

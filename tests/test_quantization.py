@@ -119,7 +119,7 @@ def test_layer_conformance(name, make, shape, tmp_path):
     qmodel = keras_mp.quantize_model(model)
     wrapper = qmodel.layers[1]
     assert isinstance(wrapper, keras_mp.QuantizeWrapper)
-    keras_mp.quantization.calibrate(qmodel, x, verbose=0)
+    keras_mp.calibrate(qmodel, x, verbose=0)
     want, got = model(x), qmodel(x)
     assert got.shape == want.shape
     rel = np.linalg.norm(got - want) / np.linalg.norm(want)
@@ -148,7 +148,7 @@ def test_mixed_precision_qat_trains_under_xla():
     qmodel = keras_mp.quantize_model(model)
     x = np.random.default_rng(0).random((32, 28, 28, 1), dtype=np.float32)
     y = np.arange(32) % 10
-    keras_mp.quantization.calibrate(qmodel, x, verbose=0)
+    keras_mp.calibrate(qmodel, x, verbose=0)
     assert qmodel.layers[1].compute_dtype == "float16"
     compile_classifier(qmodel, jit_compile=True)
     history = qmodel.fit(x, y, epochs=3, batch_size=16, verbose=0)
@@ -181,7 +181,7 @@ def test_apply_carries_state_and_disabled_equals_float():
     keras_mp.set_quantization_enabled(qmodel, False)
     np.testing.assert_array_equal(qmodel(x), model(x))
     keras_mp.set_quantization_enabled(qmodel, True)
-    keras_mp.quantization.calibrate(qmodel, x, verbose=0)
+    keras_mp.calibrate(qmodel, x, verbose=0)
     assert not np.array_equal(qmodel(x), model(x))
 
 
@@ -223,7 +223,7 @@ def test_calibrators_set_ranges_and_report():
     ranges = {}
     for method in ("max", "percentile", "entropy", "mse"):
         qmodel = keras_mp.quantize_model(model)
-        report = keras_mp.quantization.calibrate(
+        report = keras_mp.calibrate(
             qmodel, x[:256], method=method, batch_size=64, verbose=0
         )
         assert report.batches == 4 and report.samples == 256
@@ -243,10 +243,10 @@ def test_calibrate_accepts_dataset_and_generator():
     model = keras_mp.quantize_model(small_cnn((8, 8, 1)))
     x = np.random.default_rng(0).random((64, 8, 8, 1), dtype=np.float32)
     ds = tf.data.Dataset.from_tensor_slices((x, np.zeros(64))).batch(16)
-    assert keras_mp.quantization.calibrate(model, ds, verbose=0).batches == 4
+    assert keras_mp.calibrate(model, ds, verbose=0).batches == 4
     gen = (x[i : i + 32] for i in range(0, 64, 32))
     assert (
-        keras_mp.quantization.calibrate(
+        keras_mp.calibrate(
             model, gen, num_batches=1, verbose=0
         ).batches
         == 1
@@ -259,7 +259,7 @@ def test_qat_with_frozen_ranges_keeps_activation_ranges(fashion_small):
     model.fit(x, y, epochs=3, batch_size=64, verbose=0)
     float_acc = model.evaluate(xt, yt, verbose=0)[1]
     qmodel = keras_mp.quantize_model(model)
-    report = keras_mp.quantization.calibrate(qmodel, x[:512], verbose=0)
+    report = keras_mp.calibrate(qmodel, x[:512], verbose=0)
     compile_classifier(qmodel, learning_rate=1e-4)
     qmodel.fit(x, y, epochs=1, batch_size=64, verbose=0)
     for name, amax in report.ranges.items():
@@ -273,7 +273,7 @@ def test_qat_with_frozen_ranges_keeps_activation_ranges(fashion_small):
 def test_weights_only_save_load(tmp_path):
     model = keras_mp.quantize_model(small_cnn((8, 8, 1)))
     x = np.random.default_rng(0).random((8, 8, 8, 1), dtype=np.float32)
-    keras_mp.quantization.calibrate(model, x, verbose=0)
+    keras_mp.calibrate(model, x, verbose=0)
     model.save_weights(tmp_path / "w.weights.h5")
     other = keras_mp.quantize_model(small_cnn((8, 8, 1)))
     other.load_weights(tmp_path / "w.weights.h5")
@@ -298,11 +298,11 @@ def test_bad_inputs_name_the_fault():
     with pytest.raises(ValueError, match="already quantized"):
         keras_mp.quantize_apply(qmodel)
     with pytest.raises(ValueError, match="empty"):
-        keras_mp.quantization.calibrate(
+        keras_mp.calibrate(
             qmodel, np.zeros((0, 8, 8, 1), "float32")
         )
     with pytest.raises(ValueError, match="expects"):
-        keras_mp.quantization.calibrate(
+        keras_mp.calibrate(
             qmodel, np.zeros((4, 9, 9, 1), "float32")
         )
     bad = np.zeros((4, 8, 8, 1), "float32")
@@ -310,9 +310,9 @@ def test_bad_inputs_name_the_fault():
     with pytest.raises(
         ValueError, match=r"NaN/Inf \(batch 0, first at index \(2, 1, 1, 0\)"
     ):
-        keras_mp.quantization.calibrate(qmodel, bad)
+        keras_mp.calibrate(qmodel, bad)
     with pytest.raises(ValueError, match="Unknown calibration method"):
-        keras_mp.quantization.calibrate(qmodel, bad, method="kl")
+        keras_mp.calibrate(qmodel, bad, method="kl")
     with pytest.raises(TypeError, match="keras.Model"):
         keras_mp.quantize_model("model.keras")
 
@@ -331,7 +331,7 @@ def test_bad_inputs_name_the_fault():
 
 
 def test_entropy_calibrator_is_not_fooled_by_relu_zeros():
-    from keras_mp.quantization.calibrate import HistogramCollector, _entropy
+    from keras_mp.calibrate import HistogramCollector, _entropy
 
     rng = np.random.default_rng(0)
     relu = np.maximum(rng.standard_normal(200_000), 0.0)  # half exact zeros

@@ -106,7 +106,7 @@ def env(tmp_path_factory):
     e.float_model = cnn()
     e.float_model(e.x[:1])
     e.quantized = keras_mp.quantize_model(cnn("q"))
-    keras_mp.quantization.calibrate(e.quantized, e.x, verbose=0)
+    keras_mp.calibrate(e.quantized, e.x, verbose=0)
     e.uncalibrated = keras_mp.quantize_model(cnn("u"))
     e.subclassed = Subclassed()
     e.subclassed(np.ones((2, 8), "float32"))
@@ -183,7 +183,7 @@ def _nan_inside(e):
     model = keras_mp.quantize_model(cnn("nan_inside"))
     conv = model.get_layer("quant_conv").layer
     conv.kernel.assign(np.full(conv.kernel.shape, np.nan, "float32"))
-    keras_mp.quantization.calibrate(model, e.x, verbose=0)
+    keras_mp.calibrate(model, e.x, verbose=0)
 
 
 def _mismatched_fashion_mnist(e):
@@ -206,7 +206,7 @@ def _idx(e, name, data):
 def _calibrate_inf_in_second_batch(e):
     x = e.x.copy()
     x[20, 1, 2, 3] = np.inf
-    keras_mp.quantization.calibrate(e.quantized, x, batch_size=16, verbose=0)
+    keras_mp.calibrate(e.quantized, x, batch_size=16, verbose=0)
 
 
 BAD_INPUTS = [
@@ -429,7 +429,7 @@ BAD_INPUTS = [
     # -- calibration
     Bad(
         "calibrate_float_model",
-        lambda e: keras_mp.quantization.calibrate(
+        lambda e: keras_mp.calibrate(
             e.float_model, e.x, verbose=0
         ),
         ValueError,
@@ -437,7 +437,7 @@ BAD_INPUTS = [
     ),
     Bad(
         "calibrate_unknown_method",
-        lambda e: keras_mp.quantization.calibrate(
+        lambda e: keras_mp.calibrate(
             e.quantized, e.x, method="kl"
         ),
         ValueError,
@@ -445,7 +445,7 @@ BAD_INPUTS = [
     ),
     Bad(
         "calibrate_percentile_zero",
-        lambda e: keras_mp.quantization.calibrate(
+        lambda e: keras_mp.calibrate(
             e.quantized, e.x, method="percentile", percentile=0
         ),
         ValueError,
@@ -453,7 +453,7 @@ BAD_INPUTS = [
     ),
     Bad(
         "calibrate_empty_array",
-        lambda e: keras_mp.quantization.calibrate(
+        lambda e: keras_mp.calibrate(
             e.quantized, e.x[:0], verbose=0
         ),
         ValueError,
@@ -461,7 +461,7 @@ BAD_INPUTS = [
     ),
     Bad(
         "calibrate_empty_dataset",
-        lambda e: keras_mp.quantization.calibrate(
+        lambda e: keras_mp.calibrate(
             e.quantized,
             tf.data.Dataset.from_tensor_slices(e.x[:0]).batch(4),
             verbose=0,
@@ -471,7 +471,7 @@ BAD_INPUTS = [
     ),
     Bad(
         "calibrate_wrong_shape",
-        lambda e: keras_mp.quantization.calibrate(
+        lambda e: keras_mp.calibrate(
             e.quantized, e.x[..., :1], verbose=0
         ),
         ValueError,
@@ -479,7 +479,7 @@ BAD_INPUTS = [
     ),
     Bad(
         "calibrate_missing_batch_axis",
-        lambda e: keras_mp.quantization.calibrate(
+        lambda e: keras_mp.calibrate(
             e.quantized, list(e.x), verbose=0
         ),
         ValueError,
@@ -487,7 +487,7 @@ BAD_INPUTS = [
     ),
     Bad(
         "calibrate_nan_in_data",
-        lambda e: keras_mp.quantization.calibrate(
+        lambda e: keras_mp.calibrate(
             e.quantized, np.where(e.x > 0.999, np.nan, e.x), verbose=0
         ),
         ValueError,
@@ -508,25 +508,25 @@ BAD_INPUTS = [
     ),
     Bad(
         "calibrate_path_instead_of_data",
-        lambda e: keras_mp.quantization.calibrate(e.quantized, "x.npy"),
+        lambda e: keras_mp.calibrate(e.quantized, "x.npy"),
         TypeError,
         "`data` must be a NumPy array, a tf.data.Dataset.*Received: str",
     ),
     Bad(
         "calibrate_dict_data",
-        lambda e: keras_mp.quantization.calibrate(e.quantized, {"x": e.x}),
+        lambda e: keras_mp.calibrate(e.quantized, {"x": e.x}),
         TypeError,
         "Received: dict",
     ),
     Bad(
         "calibrate_number_as_data",
-        lambda e: keras_mp.quantization.calibrate(e.quantized, 5),
+        lambda e: keras_mp.calibrate(e.quantized, 5),
         TypeError,
         "Received: int",
     ),
     Bad(
         "calibrate_path_instead_of_model",
-        lambda e: keras_mp.quantization.calibrate(
+        lambda e: keras_mp.calibrate(
             "model.keras", e.x, verbose=0
         ),
         TypeError,
@@ -534,7 +534,7 @@ BAD_INPUTS = [
     ),
     Bad(
         "calibrate_batch_size_zero",
-        lambda e: keras_mp.quantization.calibrate(
+        lambda e: keras_mp.calibrate(
             e.quantized, e.x, batch_size=0
         ),
         ValueError,
@@ -542,7 +542,7 @@ BAD_INPUTS = [
     ),
     Bad(
         "calibrate_num_batches_zero",
-        lambda e: keras_mp.quantization.calibrate(
+        lambda e: keras_mp.calibrate(
             e.quantized, e.x, num_batches=0
         ),
         ValueError,
@@ -784,7 +784,7 @@ BAD_INPUTS = [
         "export_uncalibrated",
         lambda e: keras_mp.export_onnx(e.uncalibrated, e.dir / "u.onnx"),
         keras_mp.ExportError,
-        "Uncalibrated.*quant_conv/input_0.*keras_mp.quantization.calibrate",
+        "Uncalibrated.*quant_conv/input_0.*keras_mp.calibrate",
     ),
     Bad(
         "export_existing_file",
@@ -1221,7 +1221,7 @@ def test_bad_command_line_exits_2_with_one_error_line(env, capsys, argv, match):
 
 def _qat_model(x):
     model = keras_mp.quantize_model(cnn("qat"))
-    keras_mp.quantization.calibrate(model, x, verbose=0)
+    keras_mp.calibrate(model, x, verbose=0)
     return model
 
 
@@ -1318,7 +1318,7 @@ def test_nan_batch_in_qat_is_skipped_with_and_without_xla(jit_compile):
     model = keras.Model(inputs, L.Dense(3, name="out")(hidden))
     x, y = rng.random((32, 8), np.float32), np.arange(32) % 3
     qmodel = keras_mp.quantize_model(model)
-    keras_mp.quantization.calibrate(qmodel, x, verbose=0)
+    keras_mp.calibrate(qmodel, x, verbose=0)
     ranges = [v.numpy() for v in qmodel.weights if "amax" in v.path]
     x[3, 0] = np.nan
     optimizer = keras_mp.LossScaleOptimizer(keras.optimizers.SGD(0.05))
@@ -1417,7 +1417,7 @@ def test_collapsed_range_is_reported_and_not_exported(tmp_path):
     model = keras_mp.quantize_model(cnn("collapsed"))
     model.get_layer("quant_conv").layer.bias.assign(np.full(8, 0.5))
     zeros = np.zeros((16,) + SHAPE, "float32")
-    report = keras_mp.quantization.calibrate(model, zeros, verbose=0)
+    report = keras_mp.calibrate(model, zeros, verbose=0)
     # all-zero inputs: the conv's input range collapses; its bias keeps the
     # head's input alive
     assert report.collapsed == ["quant_conv/input_0"]
@@ -1437,7 +1437,7 @@ def test_collapsed_range_is_reported_and_not_exported(tmp_path):
 
 def test_non_finite_range_is_reported_not_exported(tmp_path):
     model = keras_mp.quantize_model(cnn("nan_range"))
-    keras_mp.quantization.calibrate(model, images(), verbose=0)
+    keras_mp.calibrate(model, images(), verbose=0)
     model.get_layer("quant_head").input_quantizers[0].amax.assign(np.nan)
     path = tmp_path / "nan.onnx"
     with pytest.raises(keras_mp.ExportError, match="quant_head/input_0"):
@@ -1451,7 +1451,7 @@ def test_all_zero_weight_channel_exports_with_a_positive_scale(tmp_path):
     kernel = head.layer.kernel.numpy()
     kernel[:, 2] = 0.0  # a fully pruned output channel
     head.layer.kernel.assign(kernel)
-    keras_mp.quantization.calibrate(model, images(), verbose=0)
+    keras_mp.calibrate(model, images(), verbose=0)
     path = tmp_path / "pruned.onnx"
     keras_mp.export_onnx(model, path, verify_data=images(64, seed=1))
     report = keras_mp.check_tensorrt(str(path))
@@ -1475,7 +1475,7 @@ def test_onnx_export_interrupted_mid_write_keeps_the_previous_file(
     tmp_path, monkeypatch
 ):
     model = keras_mp.quantize_model(cnn("atomic"))
-    keras_mp.quantization.calibrate(model, images(), verbose=0)
+    keras_mp.calibrate(model, images(), verbose=0)
     path = tmp_path / "model.onnx"
     path.write_bytes(b"previous export")
 
@@ -1645,7 +1645,7 @@ def _assert_safe_round_trip(model, path):
 def test_quantized_sparse_loss_scaled_model_loads_in_safe_mode(tmp_path):
     x, y = images(64), np.arange(64) % 4
     model = keras_mp.quantize_model(cnn("deploy"))
-    keras_mp.quantization.calibrate(model, x, method="entropy", verbose=0)
+    keras_mp.calibrate(model, x, method="entropy", verbose=0)
     model.compile(
         keras_mp.LossScaleOptimizer(keras.optimizers.Adam(1e-3)),
         keras.losses.SparseCategoricalCrossentropy(from_logits=True),

@@ -455,7 +455,7 @@ def write_outputs(results, out_dir, docs_path=None):
 
 HOW_RUN = """\
 - **keras_mp** (main venv, Keras 3): `keras_mp.quantize_model` +
-  `keras_mp.quantization.calibrate` with each calibrator (max, percentile, entropy,
+  `keras_mp.calibrate` with each calibrator (max, percentile, entropy,
   mse); the PTQ row is the one with the best top-1 on the validation slice
   (the test set never picks anything). QAT fine-tunes a copy calibrated
   with percentile, keras_mp's documented QAT recipe (chosen in

@@ -109,7 +109,7 @@ def export_command(args):
     if args.calibrate:
         model = keras_mp.quantize_model(model)
         print(
-            keras_mp.quantization.calibrate(
+            keras_mp.calibrate(
                 model, _load_npy(args.calibrate), method=args.method
             )
         )

@@ -106,7 +106,7 @@ def _check_exportable(model):
         raise ExportError(
             f"Uncalibrated (or collapsed, amax 0) or non-finite activation "
             f"ranges in {', '.join(problems)}: their scale would be 0, NaN "
-            "or inf, which TensorRT rejects. Run keras_mp.quantization.calibrate(model, "
+            "or inf, which TensorRT rejects. Run keras_mp.calibrate(model, "
             "data) first (on finite data), or skip those layers with "
             "QuantizeConfig(skip=True)."
         )

@@ -231,7 +231,7 @@ def quantize_apply(model):
     Returns a new model; weights and all layer state (e.g. Normalization
     statistics) are carried over, and weight ranges are set from the
     weights. Activation ranges start at 0 (not calibrated): run
-    `keras_mp.quantization.calibrate` (PTQ) before `fit` (QAT) or export.
+    `keras_mp.calibrate` (PTQ) before `fit` (QAT) or export.
 
     Args:
         model: a model from `quantize_annotate_model`, or one built with
@@ -291,12 +291,12 @@ def quantize_model(model, config=None, layers=None):
             supported layer.
 
     Returns:
-        A new quantized `keras.Model`, ready for `keras_mp.quantization.calibrate`.
+        A new quantized `keras.Model`, ready for `keras_mp.calibrate`.
 
     Example:
 
     >>> qmodel = keras_mp.quantize_model(model)
-    >>> keras_mp.quantization.calibrate(qmodel, x_train[:2048], method="entropy")
+    >>> keras_mp.calibrate(qmodel, x_train[:2048], method="entropy")
     >>> qmodel.compile(...); qmodel.fit(...)  # optional QAT
     """
     return quantize_apply(quantize_annotate_model(model, layers, config))

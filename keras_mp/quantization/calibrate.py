@@ -287,7 +287,7 @@ def calibrate(
     Example:
 
     >>> qmodel = keras_mp.quantize_model(model)
-    >>> report = keras_mp.quantization.calibrate(qmodel, x_train[:4096], method="entropy")
+    >>> report = keras_mp.calibrate(qmodel, x_train[:4096], method="entropy")
     """
     _check_model(model)
     if not isinstance(batch_size, int) or batch_size < 1:
@@ -412,7 +412,7 @@ def quantization_report(model, verbose=True):
                     for attr, _, v in layer.weight_ranges
                 }
                 row["note"] = (
-                    "uncalibrated input range (0): run keras_mp.quantization.calibrate"
+                    "uncalibrated input range (0): run keras_mp.calibrate"
                     if any(a == 0 for a in amaxes)
                     else ""
                 )

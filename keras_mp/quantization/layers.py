@@ -29,7 +29,7 @@ from keras_mp.quantization.quantizers import (
 class QuantizeActivation(keras.layers.Layer):
     """Per-tensor symmetric fake quantization of an activation (Q/DQ).
 
-    The range `amax` is a float32 variable: set by `keras_mp.quantization.calibrate`, or,
+    The range `amax` is a float32 variable: set by `keras_mp.calibrate`, or,
     if still 0 at the first training step, by that batch's `max|x|` (over
     the global batch under a `tf.distribute` strategy; a batch holding NaN
     or Inf is passed over, as the loss scale optimizer skips its step). It
@@ -53,7 +53,7 @@ class QuantizeActivation(keras.layers.Layer):
         self.num_bits = num_bits
         self.learned_range = learned_range
         self.enabled = True
-        self.collector = None  # set by keras_mp.quantization.calibrate
+        self.collector = None  # set by keras_mp.calibrate
 
     def build(self, input_shape):
         self.amax = self.add_weight(

@@ -89,7 +89,7 @@ def sparse_qat(strategy, policy="mixed_float16", initial_scale=2.0**15):
             name="sparse_qat",
         )
         model = keras_mp.quantize_model(model)
-    keras_mp.quantization.calibrate(
+    keras_mp.calibrate(
         model, x[:64], method="percentile", verbose=0
     )
     with strategy.scope():

@@ -164,7 +164,7 @@ def test_calibration_under_mirrored_strategy_matches(mirrored_strategy):
                     ]
                 )
             )
-        report = keras_mp.quantization.calibrate(
+        report = keras_mp.calibrate(
             model, x, method=method, batch_size=32, verbose=0
         )
         return model, list(report.ranges.values())
