@@ -37,7 +37,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from keras_mp.datasets import load_fashion_mnist  # noqa: E402
-from keras_mp.muppet.callback import (  # noqa: E402
+from keras_mp.muppet import (  # noqa: E402
     GPU_THROUGHPUT,
     PrecisionSwitching,
     estimate_speedup,

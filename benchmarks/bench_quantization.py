@@ -428,7 +428,7 @@ def interleaved_finetune(control, qat, xf, yf, args, steps):
 
 
 def _activation_ranges(model):
-    from keras_mp.calibrate import _activation_quantizers
+    from keras_mp.quantization.calibrate import _activation_quantizers
 
     return {
         k: float(q.amax.numpy())

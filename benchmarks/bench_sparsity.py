@@ -58,7 +58,7 @@ from keras_mp.reference import (  # noqa: E402
     reference_cnn,
 )
 from keras_mp.sparsity.callback import StructuredSparsity  # noqa: E402
-from keras_mp.sparsity.masks import strip_sparsity  # noqa: E402
+from keras_mp.sparsity.model import strip_sparsity  # noqa: E402
 from keras_mp.sparsity.permutation import permute_for_sparsity  # noqa: E402
 from keras_mp.sparsity.report import sparsity_report  # noqa: E402
 
@@ -218,9 +218,7 @@ def main():
             "sparse_retrained_top1": top1(sparse, xt, yt),
         }
         qat = keras_mp.quantize_model(sparse)
-        keras_mp.calibrate(
-            qat, x[:2048], method=QAT_CALIBRATOR, verbose=0
-        )
+        keras_mp.calibrate(qat, x[:2048], method=QAT_CALIBRATOR, verbose=0)
         control_ft = copy_of(control, args.width)
         train(control_ft, seed, 1, 1e-4)
         train(qat, seed, 1, 1e-4, [StructuredSparsity(skip_unaligned=skip)])

@@ -1,9 +1,8 @@
-"""Writes docs/support_matrix.md from keras_mp's own tables.
+"""Writes docs/support_matrix.md from `keras_mp.layer_table`.
 
-The quantization columns come from `keras_mp.quantization.config.LAYER_SPECS` (the table
-`quantize_model` reads), the 2:4 column from
-`keras_mp.sparsity.masks.input_channel_axis` (what `StructuredSparsity` prunes).
-`tests/test_examples.py` fails when the committed page is stale.
+Every row of the table the features read (quantization, sparsity, channel
+permutation, mixed precision) becomes a row of the page;
+`tests/integration/test_examples.py` fails when the committed page is stale.
 
     python docs/gen_support_matrix.py          # rewrite the page
     python docs/gen_support_matrix.py --check  # exit 1 when it is stale
@@ -17,16 +16,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # noqa: E402
 
-from keras_mp.quantization.config import (  # noqa: E402
-    ALL_INPUTS,
-    LAYER_SPECS,
-    NO_INPUTS,
-    SKIP_INPUTS,
-)
-from keras_mp.sparsity.masks import (  # noqa: E402
+from keras_mp import layer_table  # noqa: E402
+from keras_mp.sparsity.model import (  # noqa: E402
     ALIGNED_INPUT_CHANNELS,
     ALIGNED_OUTPUT_CHANNELS,
-    input_channel_axis,
 )
 
 PAGE = os.path.join(
@@ -34,138 +27,139 @@ PAGE = os.path.join(
 )
 EINSUM_EQUATION = "ab,bc->ac"
 
-# One small instance per layer type, to ask the code about it. A layer type
-# added to LAYER_SPECS needs a line here: the generator stops until it has.
+# A row that depends on the layer's settings is shown for one instance. A
+# new row of that kind needs a sample here: the generator stops until it has.
 SAMPLES = {
-    keras.layers.Conv1D: lambda: keras.layers.Conv1D(8, 3),
-    keras.layers.Conv2D: lambda: keras.layers.Conv2D(8, 3),
-    keras.layers.Conv3D: lambda: keras.layers.Conv3D(8, 3),
-    keras.layers.Conv1DTranspose: lambda: keras.layers.Conv1DTranspose(8, 3),
-    keras.layers.Conv2DTranspose: lambda: keras.layers.Conv2DTranspose(8, 3),
-    keras.layers.Conv3DTranspose: lambda: keras.layers.Conv3DTranspose(8, 3),
-    keras.layers.DepthwiseConv2D: lambda: keras.layers.DepthwiseConv2D(3),
-    keras.layers.SeparableConv2D: lambda: keras.layers.SeparableConv2D(8, 3),
-    keras.layers.Dense: lambda: keras.layers.Dense(8),
     keras.layers.EinsumDense: lambda: keras.layers.EinsumDense(
         EINSUM_EQUATION, 8
     ),
-    keras.layers.Add: keras.layers.Add,
-    keras.layers.Concatenate: keras.layers.Concatenate,
-    keras.layers.MaxPooling2D: keras.layers.MaxPooling2D,
-    keras.layers.AveragePooling2D: lambda: keras.layers.AveragePooling2D(2),
-    keras.layers.GlobalAveragePooling2D: keras.layers.GlobalAveragePooling2D,
 }
-# Common layers outside LAYER_SPECS, listed so the page says what happens
-# to them too.
-OTHERS = {
-    keras.layers.SeparableConv1D: lambda: keras.layers.SeparableConv1D(8, 3),
-    keras.layers.DepthwiseConv1D: lambda: keras.layers.DepthwiseConv1D(3),
-    keras.layers.Embedding: lambda: keras.layers.Embedding(10, 8),
-    keras.layers.BatchNormalization: keras.layers.BatchNormalization,
-    keras.layers.LayerNormalization: keras.layers.LayerNormalization,
-}
+# Common layers outside the table, listed so the page says what happens to
+# them too.
+OTHERS = (keras.layers.Embedding, keras.layers.Flatten, keras.layers.Reshape)
 INPUTS = {
-    ALL_INPUTS: "every input",
-    SKIP_INPUTS: "the skip input of a residual Add (the input not fused "
-    "with a preceding conv)",
-    NO_INPUTS: "none by default; `QuantizeConfig(quantize_inputs=True)` "
-    "adds one",
+    layer_table.ALL_INPUTS: "every input",
+    layer_table.SKIP_INPUTS: "the skip input of a residual Add (the input "
+    "not fused with a preceding conv)",
+    layer_table.NO_INPUTS: "none by default; `QuantizeConfig("
+    "quantize_inputs=True)` adds one",
+}
+PERMUTE = {
+    layer_table.GEMM: "input and output channels",
+    layer_table.CONSUMER: "input channels",
+    layer_table.CHANNELWISE: "passes the order through",
+    "": "-",
 }
 
 
-def _one_line(text):
-    return " ".join(text.split())
-
-
-def _axis(axis):
-    if axis is None:
+def _axes(out_axes):
+    if not out_axes:
         return "per-tensor"
-    if axis == "depthwise":
-        return "per-channel over in x multiplier (flattened)"
-    return f"per-channel, axis {axis}"
+    if len(out_axes) == 1:
+        return f"per-channel, axis {out_axes[0]}"
+    axes = " x ".join(str(a) for a in out_axes)
+    return f"per-channel over axes {axes} (flattened)"
 
 
-def _weights(spec):
-    if not spec.weights:
+def _weights(row):
+    if not row.quantizable:
+        return "float"
+    if not row.weights:
         return "-"
-    return "; ".join(f"`{attr}`: {_axis(axis)}" for attr, axis in spec.weights)
+    return "; ".join(f"`{w.attr}`: {_axes(w.out_axes)}" for w in row.weights)
 
 
-def _sparsity(layer, unsupported):
-    found = input_channel_axis(layer)
-    if isinstance(found, str):
-        return unsupported if "not a supported layer type" in found else found
-    attr, _, axis = found
-    return f"`{attr}`, input-channel axis {axis}"
+def _sparsity(row):
+    if row.prune is not None:
+        return f"`{row.prune.attr}`, input-channel axis {row.prune.in_axis}"
+    return row.not_prunable or "-"
 
 
-def _quantized_row(cls, layer):
-    spec = LAYER_SPECS[cls]
+def _row(cls):
+    spec = layer_table.TABLE[cls]
     name = cls.__name__
-    if callable(spec):  # the spec depends on the layer's settings
-        rule = _one_line(spec.__doc__).removeprefix(f"{name}: ")
-        spec = spec(layer)
-        weights = f"{_weights(spec)} for `{EINSUM_EQUATION}`; in general {rule}"
-    else:
-        weights = _weights(spec)
-    weighted = "INT8 Conv / MatMul" if spec.weighted else "-"
+    weights_note = ""
+    if callable(spec):  # the row depends on the layer's settings
+        rule = " ".join(spec.__doc__.split()).removeprefix(f"{name}: ")
+        spec = spec(SAMPLES[cls]())
+        weights_note = f" for `{EINSUM_EQUATION}`; in general: {rule}"
     return (
-        f"| {name} | {weights} | {INPUTS[spec.inputs]} | {weighted} | "
-        f"{_sparsity(layer, '-')} |"
+        f"| {name} | {_weights(spec)}{weights_note} | "
+        f"{INPUTS[spec.inputs] if spec.quantizable else '-'} | "
+        f"{'INT8 Conv / MatMul' if spec.weighted else '-'} | "
+        f"{_sparsity(spec)} | {PERMUTE[spec.permute]} | "
+        f"{'float32' if spec.float32 else 'policy'} |"
     )
 
 
 def render():
     """The page text."""
-    missing = [c.__name__ for c in LAYER_SPECS if c not in SAMPLES]
+    missing = [
+        cls.__name__
+        for cls, spec in layer_table.TABLE.items()
+        if callable(spec) and cls not in SAMPLES
+    ]
     if missing:
         raise SystemExit(
             f"docs/gen_support_matrix.py has no sample for {missing}: add a "
             "line to SAMPLES."
         )
+    listed = [
+        cls.__name__
+        for cls in OTHERS
+        if any(base in layer_table.TABLE for base in cls.__mro__)
+    ]
+    if listed:
+        raise SystemExit(
+            f"{listed} now have a row in keras_mp.layer_table: remove them "
+            "from OTHERS in docs/gen_support_matrix.py."
+        )
     lines = [
         "# Layer support matrix",
         "",
         "<!-- Generated by docs/gen_support_matrix.py from "
-        "keras_mp.quantization.config.LAYER_SPECS and keras_mp.sparsity.masks; do not edit. -->",
+        "keras_mp.layer_table; do not edit. -->",
         "",
-        "What `keras_mp.quantize_model` and `keras_mp.StructuredSparsity` do "
-        "with each Keras layer type, read from the tables the code uses. "
-        "Weight axes are in the Keras kernel layout (ConvND `(..., in, "
-        "out)`, ConvNDTranspose `(..., out, in)`, DepthwiseConv2D `(kh, kw, "
-        "in, multiplier)`, Dense `(in, out)`); weights are symmetric INT8 "
-        "per output channel, activations per-tensor, as TensorRT wants.",
+        "What `keras_mp.quantize_model`, `keras_mp.StructuredSparsity`, "
+        "`keras_mp.permute_for_sparsity` and mixed precision do with each "
+        "Keras layer type, read from `keras_mp.layer_table`, the table the "
+        "code uses. Weight axes are in the Keras kernel layout (ConvND "
+        "`(..., in, out)`, ConvNDTranspose `(..., out, in)`, "
+        "DepthwiseConvND `(..., in, multiplier)`, Dense `(in, out)`); "
+        "weights are symmetric INT8 per output channel, activations "
+        "per-tensor, as TensorRT wants. A subclass of a listed type is "
+        "handled like its parent.",
         "",
         "A layer of a type with a 2:4 axis below is pruned when its input "
         "channels are a multiple of 4 (or with `pad=True`); with "
         "`skip_unaligned=True` (NVIDIA ASP's rule) only when its output "
         f"channels are a multiple of {ALIGNED_OUTPUT_CHANNELS} and its input "
-        f"channels a multiple of {ALIGNED_INPUT_CHANNELS} as well.",
+        f"channels a multiple of {ALIGNED_INPUT_CHANNELS} as well. The "
+        "permutation column says which channels `permute_for_sparsity` can "
+        "reorder in a layer of that type, when channels are last "
+        "(BatchNormalization: on the last axis); see "
+        "[2:4 structured sparsity](sparsity.md). The mixed precision "
+        "column says which types keep float32 under a mixed policy; the "
+        "others compute in the policy's dtype.",
         "",
         "| Keras layer | INT8 weights | input Q/DQ | TensorRT runs it as | "
-        "2:4 sparsity |",
-        "|---|---|---|---|---|",
+        "2:4 sparsity | channel permutation | mixed precision |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for cls in LAYER_SPECS:
-        lines.append(_quantized_row(cls, SAMPLES[cls]()))
+    lines += [_row(cls) for cls in layer_table.TABLE]
     lines += [
         "",
         "## Other layers",
         "",
         "A layer type not in the table above is not quantized: it runs in "
-        "the precision of its neighbours (BatchNormalization stays unfolded "
-        "and TensorRT folds it into the preceding conv). A subclass of a "
-        "listed type is handled like its parent. `keras_mp.fixed_point_model` "
-        "(MuPPET) wraps every layer with trainable weights, whatever its "
-        "type.",
-        "",
-        "| Keras layer | INT8 | 2:4 sparsity |",
-        "|---|---|---|",
+        "the precision of its neighbours, is not pruned, and stops a "
+        "channel permutation (BatchNormalization, in the table, stays "
+        "unfolded and TensorRT folds it into the preceding conv). "
+        "`keras_mp.fixed_point_model` (MuPPET) wraps every layer with "
+        "trainable weights, whatever its type. For example: "
+        + ", ".join(cls.__name__ for cls in OTHERS)
+        + ".",
     ]
-    for cls, make in OTHERS.items():
-        lines.append(
-            f"| {cls.__name__} | float | {_sparsity(make(), 'not pruned')} |"
-        )
     return "\n".join(lines) + "\n"
 
 

@@ -13,7 +13,7 @@ Fashion-MNIST this example:
    (layers left dense are listed: the first conv sees 1 input channel, a
    depthwise conv has no channel groups, and the 10-way logits have a
    shape sparse Tensor Cores do not take, NVIDIA ASP's rule);
-3. prints `keras_mp.sparsity.report` and bakes the zeros in with
+3. prints `keras_mp.sparsity_report` and bakes the zeros in with
    `keras_mp.strip_sparsity`;
 4. quantizes the sparse model (`keras_mp.quantize_model` +
    `keras_mp.calibrate`) and runs QAT with the same callback again:
@@ -91,7 +91,7 @@ def main(argv=None):
     keras_mp.permute_for_sparsity(model)
     sparsity = keras_mp.StructuredSparsity(skip_unaligned=True, verbose=1)
     fine_tune(model, x, y, tune_epochs, 1e-3, callbacks=[sparsity], verbose=2)
-    report = keras_mp.sparsity.report(model, skip_unaligned=True)
+    report = keras_mp.sparsity_report(model, skip_unaligned=True)
     print(report)
     plot = keras_mp.plot_sparsity(
         report, os.path.join(args.output, "sparsity.png")
@@ -115,7 +115,7 @@ def main(argv=None):
         verbose=2,
     )
     qat_top1 = top1(qmodel)
-    after = keras_mp.sparsity.report(qmodel, skip_unaligned=True)
+    after = keras_mp.sparsity_report(qmodel, skip_unaligned=True)
     valid = [r.name for r in after.rows if r.eligible and r.pattern_valid]
     eligible = [r.name for r in after.rows if r.eligible]
     print(f"After QAT, 2:4 holds in {len(valid)}/{len(eligible)} kernels.")

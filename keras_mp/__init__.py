@@ -17,6 +17,10 @@ from keras_mp._compat import check_tensorflow
 
 check_tensorflow()
 
+from keras_mp._keras import check_versions
+
+check_versions()
+
 from keras_mp.datasets import (
     load_digits,
     load_fashion_mnist,
@@ -49,7 +53,6 @@ from keras_mp.onnx import (
     check_tensorrt,
     export_onnx,
     export_saved_model,
-    strip_quantization,
     trtexec_command,
     verify_onnx,
 )
@@ -65,6 +68,7 @@ from keras_mp.quantization import (
     quantize_apply,
     quantize_model,
     set_quantization_enabled,
+    strip_quantization,
 )
 from keras_mp.sparsity import (
     StructuredSparsity,

@@ -38,9 +38,9 @@ class Weight:
 
     Attributes:
         attr: str. The layer attribute holding the variable.
-        out_axes: tuple of int. Kernel axes whose product is the output
-            channel (per-channel ranges run over it); `()` for one range per
-            tensor.
+        out_axes: tuple of int. Adjacent kernel axes whose product is the
+            output channel (per-channel ranges run over them, flattened);
+            `()` for one range per tensor.
         in_axis: int or None. The input-channel (GEMM reduction) axis that
             2:4 groups run along; None when the weight cannot be pruned.
         constraint: str. The layer attribute holding its constraint.
@@ -178,7 +178,7 @@ TABLE = {
     L.DepthwiseConv2D: _DEPTHWISE,
     L.SeparableConv1D: _SEPARABLE,
     L.SeparableConv2D: _SEPARABLE,
-    L.Dense: _conv(),
+    L.Dense: _conv(prune_axis=0),
     L.EinsumDense: _einsum_row,
     L.Add: LayerRow(inputs=SKIP_INPUTS, quantizable=True),
     L.Concatenate: LayerRow(inputs=ALL_INPUTS, quantizable=True),

@@ -68,3 +68,20 @@ def small_cnn(input_shape=(28, 28, 1), num_classes=10):
             keras.layers.Dense(num_classes),
         ]
     )
+
+
+class Subclassed(keras.Model):
+    """A subclassed model: its graph is Python code, not data."""
+
+    def __init__(self):
+        super().__init__(name="subclassed")
+        self.dense = keras.layers.Dense(4)
+
+    def call(self, x):
+        return self.dense(x)
+
+
+def tf_keras_like(name="Sequential", module="tf_keras.src.engine.sequential"):
+    """An object typed like a tf_keras (Keras 2) model: tf_keras is not
+    installed here, and only its type's module matters."""
+    return type(name, (), {"__module__": module})()

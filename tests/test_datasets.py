@@ -1,6 +1,7 @@
 import gzip
 import os
 import shutil
+import struct
 
 import numpy as np
 import pytest
@@ -64,7 +65,9 @@ def test_digits_split_is_stratified_and_disjoint(digits):
     assert x.shape[1:] == (8, 8, 1) and len(x) + len(xt) == 1797
     assert 0.0 <= x.min() and x.max() <= 1.0
     assert set(np.unique(yt)) == set(range(10))
-    with pytest.raises(ValueError, match="test_fraction"):
+    with pytest.raises(
+        ValueError, match=r"`test_fraction` must be in \(0, 1\). Received: 1.5"
+    ):
         datasets.load_digits(test_fraction=1.5)
 
 
@@ -89,3 +92,51 @@ def test_shuffled_batches_have_one_shape_and_reject_bad_input():
     assert len(small) == 1 and small[0][0].shape[0] == 5
     with pytest.raises(ValueError, match="same, nonzero number"):
         datasets.shuffled_batches(x, y[:10])
+
+
+def _write_idx(path, array):
+    header = bytes([0, 0, 0x08, array.ndim])
+    header += struct.pack(f">{array.ndim}I", *array.shape)
+    with open(path, "wb") as f:
+        f.write(gzip.compress(header + array.tobytes()))
+
+
+def test_mismatched_image_and_label_files_are_reported(tmp_path):
+    files = datasets._FILES
+    _write_idx(tmp_path / files["x_train"], np.zeros((3, 28, 28), np.uint8))
+    _write_idx(tmp_path / files["y_train"], np.zeros((2,), np.uint8))
+    _write_idx(tmp_path / files["x_test"], np.zeros((2, 28, 28), np.uint8))
+    _write_idx(tmp_path / files["y_test"], np.zeros((2,), np.uint8))
+    with pytest.raises(
+        datasets.DatasetError,
+        match=r"train files .* do not match: images \(3, 28, 28\), "
+        r"labels \(2,\)",
+    ):
+        datasets.load_fashion_mnist(path=str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "name, data, match",
+    [
+        ("magic.idx", b"\x01\x02\x08\x01" + b"\0" * 8, "bad magic number"),
+        (
+            "type.idx",
+            b"\0\0\x42\x01\0\0\0\x01x",
+            "unknown IDX element type 0x42",
+        ),
+        (
+            "short.idx",
+            b"\0\0\x08\x01\0\0\0\x09abc",
+            r"truncated or corrupt: header says shape \(9,\) \(9 bytes\)",
+        ),
+        (
+            "broken.idx.gz",
+            gzip.compress(b"\0" * 64)[:20],
+            "broken.idx.gz.*corrupt; reinstall",
+        ),
+    ],
+)
+def test_corrupt_idx_file_is_reported(tmp_path, name, data, match):
+    (tmp_path / name).write_bytes(data)
+    with pytest.raises(datasets.DatasetError, match=match):
+        datasets.read_idx(str(tmp_path / name))

@@ -5,7 +5,7 @@ the work folder):
 
 - test top-1 on the 10,000 test images (`--test-images`) in ONNX Runtime
   with graph optimizations disabled (Q/DQ reference semantics: ORT's fused CPU
-  integer kernels saturate on CPUs without VNNI, DESIGN.md), and with
+  integer kernels saturate on CPUs without VNNI, docs/export.md), and with
   ORT's default optimizations beside it;
 - `keras_mp.check_tensorrt`: pass/fail, first violations, Q/DQ node count,
   weighted ops and how many have both inputs quantized, QOperator ops;

@@ -67,9 +67,7 @@ def fresh_qat(fmodel, x_calib, optimizer):
     # bench_quantization (tighter ranges than max give the fine-tune finer
     # steps), whatever calibrator PTQ preferred.
     qat = keras_mp.quantize_model(fmodel)
-    keras_mp.calibrate(
-        qat, x_calib, method=QAT_CALIBRATOR, verbose=0
-    )
+    keras_mp.calibrate(qat, x_calib, method=QAT_CALIBRATOR, verbose=0)
     return compile_classifier(qat, optimizer=optimizer)
 
 
@@ -97,9 +95,7 @@ def main():
     for method in METHODS:
         start = time.perf_counter()
         q = keras_mp.quantize_model(fmodel)
-        keras_mp.calibrate(
-            q, d["x_calib"], method=method, verbose=0
-        )
+        keras_mp.calibrate(q, d["x_calib"], method=method, verbose=0)
         seconds = time.perf_counter() - start
         compile_classifier(q)
         ptq[method] = {

@@ -279,8 +279,8 @@ def markdown(results):
         "optimizations ORT turns a DequantizeLinear -> Conv/Gemm -> "
         "QuantizeLinear pattern into its own integer kernels (QLinearConv, "
         "QGemm; counted in brackets), which saturate on CPUs without VNNI "
-        "(DESIGN.md); graphs with Q/DQ only on the inputs of weighted ops "
-        "keep float Conv/Gemm there. Keras: the tool's own model in "
+        "(docs/export.md); graphs with Q/DQ only on the inputs of weighted "
+        "ops keep float Conv/Gemm there. Keras: the tool's own model in "
         "Keras 3 / tf_keras.",
         "- TensorRT lint: `keras_mp.check_tensorrt`; the rules it broke, "
         "with counts. Weighted ops: Conv/ConvTranspose/MatMul/Gemm with "

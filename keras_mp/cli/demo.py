@@ -5,7 +5,6 @@ calibrator -> QAT -> 2:4 sparse fine-tune + QAT -> export each to Q/DQ ONNX
 -> TensorRT lint -> ONNX Runtime parity and CPU latency -> report folder.
 """
 
-import json
 import os
 import time
 
@@ -13,28 +12,24 @@ import keras
 import numpy as np
 
 from keras_mp import datasets
-from keras_mp.io import atomic_path, atomic_write_text
-from keras_mp.mixed_precision.loss_scale import (
+from keras_mp.cli.report import plot_results, write_report
+from keras_mp.mixed_precision import (
     LossScaleMonitor,
     LossScaleOptimizer,
-)
-from keras_mp.mixed_precision.policy import (
     apply_mixed_precision,
     enable_mixed_precision,
     mixed_precision_audit,
 )
-from keras_mp.onnx.export import _run, _session, export_onnx
-from keras_mp.onnx.tensorrt import check_tensorrt
-from keras_mp.quantization.annotate import quantize_model
-from keras_mp.quantization.calibrate import calibrate
+from keras_mp.onnx import check_tensorrt, export_onnx
+from keras_mp.onnx.parity import ort_session, run_session
+from keras_mp.quantization import calibrate, quantize_model
 from keras_mp.reference import (
     QAT_CALIBRATOR,
     compile_classifier,
     fine_tune,
     reference_cnn,
 )
-from keras_mp.sparsity.callback import StructuredSparsity
-from keras_mp.sparsity.permutation import permute_for_sparsity
+from keras_mp.sparsity import StructuredSparsity, permute_for_sparsity
 
 CALIBRATORS = ("max", "percentile", "entropy", "mse")
 
@@ -42,8 +37,7 @@ CALIBRATORS = ("max", "percentile", "entropy", "mse")
 BATCH = 128
 
 TRAIN_LEARNING_RATE = 1e-3
-# --quick: 46 batches per epoch; most of its time is tracing 8 models
-# (4096 images and 10 probe steps saved only 5 of 85 s).
+# --quick: most of its time is tracing the 8 models (docs/getting-started.md).
 QUICK_TRAIN_IMAGES = 6000
 QUICK_PROBE_STEPS = 30  # mixed_float16 steps of the loss-scale probe
 
@@ -67,11 +61,11 @@ def _prepare_output(output, overwrite):
 
 
 def _latency_ms(path, x, repeats):
-    session = _session(path, optimized=True)
+    session = ort_session(path)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        _run(session, [x])
+        run_session(session, [x])
         times.append(time.perf_counter() - start)
     return 1000 * float(np.median(times))
 
@@ -85,61 +79,6 @@ def _eval_batch(n, most=512):
     `most` when that batch would be small (a second trace is cheaper)."""
     best = next(b for b in range(min(most, n), 0, -1) if n % b == 0)
     return best if best >= min(64, n) else most
-
-
-def _plot(results, sparsity, scale_history, output):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing (`pip install keras-mp[plot]`): no plots.")
-        return []
-    names = list(results["methods"])
-    acc = [results["methods"][n]["test_top1"] for n in names]
-    lat = [results["methods"][n].get("latency_ms_batch1", 0) for n in names]
-    figures = {
-        "accuracy.png": ("test top-1 %", acc),
-        "latency.png": ("ORT CPU latency, batch 1 (ms)", lat),
-    }
-    written = []
-    for filename, (label, values) in figures.items():
-        fig, ax = plt.subplots(figsize=(8, 3.5))
-        ax.bar(names, values, color="tab:blue")
-        ax.set_ylabel(label)
-        if "top-1" in label:
-            ax.set_ylim(max(0, min(values) - 5), 100)
-        ax.tick_params(axis="x", rotation=30)
-        fig.tight_layout()
-        with atomic_path(os.path.join(output, filename), suffix=".png") as tmp:
-            fig.savefig(tmp)
-        plt.close(fig)
-        written.append(filename)
-    layers = [r for r in sparsity.rows if r.eligible]
-    fig, ax = plt.subplots(figsize=(8, 3.5))
-    ax.bar([r.name for r in layers], [r.fraction_zero for r in layers])
-    ax.set_ylabel("fraction of zero weights")
-    ax.tick_params(axis="x", rotation=30)
-    fig.tight_layout()
-    with atomic_path(os.path.join(output, "sparsity.png"), suffix=".png") as t:
-        fig.savefig(t)
-    plt.close(fig)
-    written.append("sparsity.png")
-    if scale_history:
-        fig, ax = plt.subplots(figsize=(8, 3))
-        steps, scales = zip(*scale_history)
-        ax.semilogy(steps, scales)
-        ax.set_xlabel("step")
-        ax.set_ylabel("loss scale")
-        fig.tight_layout()
-        with atomic_path(
-            os.path.join(output, "loss_scale.png"), suffix=".png"
-        ) as t:
-            fig.savefig(t)
-        plt.close(fig)
-        written.append("loss_scale.png")
-    return written
 
 
 def _loss_scale_probe(x, y, width, steps):
@@ -161,9 +100,9 @@ def _loss_scale_probe(x, y, width, steps):
     return monitor.scale_history, {
         "policy": "mixed_float16",
         "steps": _steps(x[:n]),
-        "initial_scale": float(monitor.scale_history[0][1])
-        if monitor.scale_history
-        else None,
+        "initial_scale": float(optimizer.initial_scale),
+        "growth_steps": int(optimizer.dynamic_growth_steps),
+        "scale_history": [float(s) for _, s in monitor.scale_history],
         "final_scale": float(optimizer.loss_scale),
         "skipped_steps": int(optimizer.skipped_steps),
     }
@@ -183,7 +122,6 @@ def run_demo(output="demo-report", quick=False, overwrite=False):
     """
     _prepare_output(output, overwrite)
     name, (x, y), (xt, yt) = load_demo_data(quick)
-    # Full run: about 12 minutes on 2 idle CPU cores.
     epochs, qat_epochs = (2, 1) if quick else (3, 1)
     width = 16
     results = {"data": name, "train_images": len(x), "test_images": len(xt)}
@@ -246,8 +184,8 @@ def run_demo(output="demo-report", quick=False, overwrite=False):
     sparse.set_weights(model.get_weights())
     # NVIDIA ASP's recipe: permute channels so 2:4 keeps more |w|, leave
     # dense the layers sparse Tensor Cores do not take (the 10-way logits),
-    # retrain at the training rate (a 1e-4 fine-tune left the pruned model
-    # 2.4 points behind the control).
+    # retrain at the training rate: the fine-tune's 1e-4 leaves the pruned
+    # model behind the control.
     permute_for_sparsity(sparse)
     pruning = StructuredSparsity(skip_unaligned=True)
     fine_tune(
@@ -309,76 +247,32 @@ def run_demo(output="demo-report", quick=False, overwrite=False):
         }
         for r in sparsity.rows
     ]
-    plots = _plot(results, sparsity, scale_history, output)
+    plots = plot_results(results, sparsity, scale_history, output)
     results["plots"] = plots
-    _write_report(output, results, audit, epochs, qat_epochs)
+    write_report(
+        output, results, audit, epochs, qat_epochs, TRAIN_LEARNING_RATE
+    )
     return results
 
 
-def _write_report(output, results, audit, epochs, qat_epochs):
-    fp = results["methods"]["float32"]
-    rows = [
-        "| method | test top-1 % | vs float32 | TensorRT lint | Q/DQ nodes | "
-        "ORT parity top-1 | ORT rel. L2 | batch-1 ms | batch-64 ms |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for label, m in results["methods"].items():
-        rows.append(
-            f"| {label} | {m['test_top1']:.2f} | "
-            f"{m['test_top1'] - fp['test_top1']:+.2f} | {m['tensorrt_lint']} | "
-            f"{m['qdq_nodes']} | {m['parity_top1_agreement']:.2f}% | "
-            f"{m['parity_rel_l2']:.2g} | {m['latency_ms_batch1']:.2f} | "
-            f"{m['latency_ms_batch64']:.1f} |"
-        )
-    lines = [
-        "# keras_mp demo report",
-        "",
-        f"Data: {results['data']}, {results['train_images']} training and "
-        f"{results['test_images']} test images.",
-        "",
-        f"Training policy: {results['policy']['name']}. "
-        f"{results['policy']['reason']}",
-        f"Float training: {epochs} epoch(s), {results['train_seconds']} s. "
-        f"QAT and fine-tunes: {qat_epochs} epoch(s) each, cosine-decayed "
-        f"learning rate from 1e-4. `float32_control` is the float model "
-        f"fine-tuned the same extra epochs (compare QAT with it). "
-        f"`sparse_2_4_qat`: pruned to 2:4, retrained {qat_epochs} epoch(s) "
-        f"from the training rate {TRAIN_LEARNING_RATE:g} (cosine), then QAT "
-        f"as above, so it had one epoch more than the control. Best PTQ "
-        f"calibrator (test top-1): {results['best_calibrator']}; "
-        f"QAT starts from {QAT_CALIBRATOR} calibration.",
-        "",
-        "\n".join(rows),
-        "",
-        "Parity runs ONNX Runtime with graph optimizations off (Q/DQ "
-        "semantics); latency uses ORT's default optimizations on this CPU, "
-        "where INT8 Q/DQ graphs run slower than float32: latency here is "
-        "information, not the TensorRT speed.",
-        "",
-    ]
-    probe = results.get("loss_scale_probe")
-    if probe:
-        lines += [
-            f"Dynamic loss scaling ({probe['steps']} mixed_float16 steps on a "
-            f"copy, since this machine trains in {results['policy']['name']}): "
-            f"scale {probe['initial_scale']:g} after the first step, "
-            f"{probe['final_scale']:g} at the end, {probe['skipped_steps']} "
-            "overflow step(s) skipped (loss_scale.png).",
-            "",
-        ]
-    lines += [
-        "Tensor Core audit of the mixed_float16 build:",
-        "",
-        "```",
-        audit.to_table(),
-        "```",
-        "",
-    ] + [f"![{p}]({p})" for p in results["plots"]]
-    atomic_write_text(
-        os.path.join(output, "results.json"), json.dumps(results, indent=2)
+def demo_command_parser(subparsers):
+    parser = subparsers.add_parser(
+        "demo", help="the end-to-end pipeline on Fashion-MNIST"
     )
-    atomic_write_text(
-        os.path.join(output, "report.md"), "\n".join(lines) + "\n"
+    parser.add_argument("--output", default="demo-report", help="report folder")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="about 90 s on 2 CPU cores: 6,000 images",
     )
-    print(f"\nReport written to {output}/report.md")
-    print("\n".join(rows))
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing report in --output",
+    )
+    parser.set_defaults(func=demo_command)
+
+
+def demo_command(args):
+    run_demo(output=args.output, quick=args.quick, overwrite=args.overwrite)
+    return 0

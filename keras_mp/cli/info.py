@@ -45,3 +45,16 @@ def environment_info():
         "policies that run": ", ".join(policies["runs"]),
         "auto policy": f"{policies['auto']} ({policies['reason']})",
     }
+
+
+def info_command_parser(subparsers):
+    parser = subparsers.add_parser(
+        "info", help="versions, devices and supported precision policies"
+    )
+    parser.set_defaults(func=info_command)
+
+
+def info_command(args):
+    for key, value in environment_info().items():
+        print(f"{key:>22}: {value}")
+    return 0

@@ -117,7 +117,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     def build(self, var_list):
         super().build(var_list)
-        # Counters aggregate with "none": `_tf_apply` gives every replica
+        # Counters aggregate with "none": `check_finite` gives every replica
         # the same finite/non-finite answer, so each takes the same branch.
         self.skipped_counter = self.add_variable(
             shape=(),
@@ -140,7 +140,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         )
         self.skipped_counter.assign_add(1)
 
-    def _all_replicas_finite(self, grads):
+    def check_finite(self, grads):
         """Whether the gradients of every replica are finite.
 
         Each replica holds the gradients of its own share of the batch; they
@@ -148,9 +148,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         float16 overflow on one replica must skip the step on all of them:
         otherwise the others apply a sum that contains it, and (multi-worker)
         the replicas take different branches around that sum's collective
-        and wait for each other forever. Graph- and XLA-compatible.
+        and wait for each other forever. Keras' `apply` calls this method in
+        replica context on both of its distributed paths, so the all-reduced
+        answer is the one it branches on. Graph- and XLA-compatible.
         """
-        finite = self.check_finite(grads)
+        finite = super().check_finite(grads)
         context = tf.distribute.get_replica_context()
         if context is None or context.num_replicas_in_sync == 1:
             return finite
@@ -159,44 +161,6 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             tf.cast(tf.logical_not(finite), "float32"),
         )
         return tf.equal(non_finite, 0.0)
-
-    def _tf_apply(self, grads, trainable_variables=None):
-        # Keras' `_tf_apply` with one change: the finite/non-finite decision
-        # is all-reduced across replicas before branching (Keras takes the
-        # first replica's own answer).
-        if tf.distribute.in_cross_replica_context():
-            raise ValueError("apply() must be called in a replica context.")
-        finite = self._all_replicas_finite(grads)
-
-        def finite_step():
-            self._stateful_handle_finite_grads(grads, trainable_variables)
-
-        if tf.__internal__.distribute.strategy_supports_no_merge_call():
-            ops.cond(
-                finite, finite_step, self._stateful_handle_non_finite_grads
-            )
-            return
-
-        def cross_replica_step(distribution, finite, grads, variables):
-            # Every replica holds the same all-reduced `finite`. The cond
-            # runs in cross-replica context: the inner optimizer's update
-            # calls `merge_call`, which a replica-context cond cannot hold.
-            finite = distribution.experimental_local_results(finite)[0]
-
-            def apply_on_each_replica():
-                distribution.extended.call_for_each_replica(
-                    self._stateful_handle_finite_grads, args=(grads, variables)
-                )
-
-            ops.cond(
-                finite,
-                apply_on_each_replica,
-                self._stateful_handle_non_finite_grads,
-            )
-
-        tf.distribute.get_replica_context().merge_call(
-            cross_replica_step, args=(finite, grads, trainable_variables)
-        )
 
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
         raise NotImplementedError(

@@ -1,29 +1,13 @@
-"""Mixed-precision policy helpers, the Tensor Core alignment audit, TF32.
-
-The AMP rules (seed tutorial): compute convolutions and matrix multiplies in
-16-bit, keep master weights, normalization statistics, softmax and the
-model's output in float32.
+"""Mixed-precision policies: set one, pick one for this machine, apply the
+AMP rules (16-bit compute, sensitive layers in float32) to a model, TF32.
+Guide: `docs/mixed-precision.md`.
 """
 
-import dataclasses
-
 import keras
-from keras.src.models.functional import Functional
+
+from keras_mp import _keras, _models, layer_table
 
 POLICIES = ("mixed_float16", "mixed_bfloat16", "float32", "auto")
-
-# Layer types whose math is precision-sensitive: they reduce over many values
-# (normalizations) or exponentiate (softmax), so the AMP rules keep them in
-# float32.
-SENSITIVE_LAYER_TYPES = (
-    keras.layers.BatchNormalization,
-    keras.layers.LayerNormalization,
-    keras.layers.GroupNormalization,
-    keras.layers.UnitNormalization,
-    keras.layers.Normalization,
-    keras.layers.Softmax,
-)
-_SENSITIVE_ACTIVATIONS = ("softmax", "log_softmax")
 
 
 class PreviousPolicy(str):
@@ -47,6 +31,7 @@ class PreviousPolicy(str):
 
 
 def _gpu_compute_capabilities():
+    """`(major, minor)` compute capability of each visible GPU."""
     import tensorflow as tf
 
     caps = []
@@ -57,6 +42,7 @@ def _gpu_compute_capabilities():
 
 
 def _cpu_flags():
+    """The CPU feature flags of `/proc/cpuinfo` (empty where it is absent)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -148,36 +134,28 @@ def is_precision_sensitive(layer, model=None):
 
     Normalization layers, softmax (layer or activation) and, when `model` is
     given, every layer that produces one of the model's outputs.
+
+    Args:
+        layer: `keras.layers.Layer`.
+        model: optional `keras.Model` holding `layer`. Defaults to None.
+
+    Returns:
+        bool.
+
+    Example:
+
+    >>> keras_mp.is_precision_sensitive(keras.layers.Softmax())
+    True
     """
-    if isinstance(layer, SENSITIVE_LAYER_TYPES):
+    if layer_table.keeps_float32(layer):
         return True
-    activation = getattr(layer, "activation", None)
-    if getattr(activation, "__name__", None) in _SENSITIVE_ACTIVATIONS:
-        return True
-    if model is not None:
-        return layer.name in _output_layer_names(model)
-    return False
+    return model is not None and layer.name in _output_layer_names(model)
 
 
 def _output_layer_names(model):
-    names = set()
-    for out in model.outputs or ():
-        history = getattr(out, "_keras_history", None)
-        if history is not None:
-            names.add(history.operation.name)
-    return names
-
-
-def _check_model(model):
-    if not isinstance(model, keras.Model):
-        hint = ""
-        if type(model).__module__.startswith(("tf_keras", "keras.src.engine")):
-            hint = " tf_keras (Keras 2) models are not supported; rebuild it "
-            "with Keras 3 (`import keras`)."
-        raise TypeError(
-            f"Expected a Keras 3 `keras.Model`. Received: "
-            f"{type(model).__module__}.{type(model).__name__}.{hint}"
-        )
+    """Names of the layers that produce `model`'s outputs."""
+    producers = (_keras.producer(out) for out in model.outputs or ())
+    return {layer.name for layer in producers if layer is not None}
 
 
 def apply_mixed_precision(model, policy=None):
@@ -198,18 +176,19 @@ def apply_mixed_precision(model, policy=None):
     Raises:
         TypeError: `model` is not a Keras 3 model, or is subclassed.
         ValueError: `policy` is not a known policy name.
+
+    Example:
+
+    >>> mixed = keras_mp.apply_mixed_precision(model, "mixed_bfloat16")
     """
-    _check_model(model)
-    if not isinstance(model, (keras.Sequential, Functional)):
-        raise TypeError(
-            f"Model {model.name!r} is a subclassed {type(model).__name__}: "
-            "its layers are created in Python code, so they cannot be copied "
-            "under a new policy. Call "
-            "`keras_mp.enable_mixed_precision()` before constructing the "
-            'model (and pass `dtype="float32"` to its normalization, '
-            "softmax and output layers), or rebuild it as a Functional or "
-            "Sequential model."
-        )
+    _models.check_graph_model(
+        model,
+        "apply_mixed_precision",
+        "Its layers cannot be copied under a new policy: call "
+        "`keras_mp.enable_mixed_precision()` before constructing the model "
+        '(and pass `dtype="float32"` to its normalization, softmax and '
+        "output layers), or rebuild it as a Functional or Sequential model.",
+    )
     policy = policy or keras.mixed_precision.global_policy().name
     if policy not in POLICIES[:3]:
         raise ValueError(
@@ -220,11 +199,7 @@ def apply_mixed_precision(model, policy=None):
 
     def clone(layer):
         config = layer.get_config()
-        keep = isinstance(layer, SENSITIVE_LAYER_TYPES) or (
-            layer.name in outputs
-        )
-        activation = config.get("activation")
-        keep = keep or activation in _SENSITIVE_ACTIVATIONS
+        keep = layer_table.keeps_float32(layer) or layer.name in outputs
         config["dtype"] = "float32" if keep else policy
         return layer.__class__.from_config(config)
 
@@ -233,148 +208,22 @@ def apply_mixed_precision(model, policy=None):
     return new
 
 
-@dataclasses.dataclass
-class LayerAudit:
-    name: str
-    class_name: str
-    compute_dtype: str
-    variable_dtype: str
-    findings: list
-
-
-@dataclasses.dataclass
-class AuditReport:
-    """Per-layer dtypes and Tensor Core alignment findings."""
-
-    layers: list
-    batch_size: int = None
-    batch_finding: str = ""
-
-    @property
-    def findings(self):
-        out = [f"{r.name}: {f}" for r in self.layers for f in r.findings]
-        return out + ([self.batch_finding] if self.batch_finding else [])
-
-    @property
-    def summary(self):
-        half = sum(
-            r.compute_dtype in ("float16", "bfloat16") for r in self.layers
-        )
-        return (
-            f"{len(self.layers)} layers: {half} compute in 16-bit, "
-            f"{len(self.layers) - half} in float32; "
-            f"{len(self.findings)} Tensor Core alignment finding(s)."
-        )
-
-    def to_table(self):
-        rows = [("layer", "type", "compute", "variables", "alignment")]
-        for r in self.layers:
-            rows.append(
-                (
-                    r.name,
-                    r.class_name,
-                    r.compute_dtype,
-                    r.variable_dtype,
-                    "; ".join(r.findings) or "ok",
-                )
-            )
-        widths = [max(len(row[i]) for row in rows) for i in range(5)]
-        lines = [
-            "  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows
-        ]
-        lines.insert(1, "  ".join("-" * w for w in widths))
-        if self.batch_finding:
-            lines.append(self.batch_finding)
-        lines.append(self.summary)
-        return "\n".join(lines)
-
-    def __str__(self):
-        return self.to_table()
-
-
-def _alignment_findings(layer):
-    findings = []
-    for attr in ("units", "filters"):
-        value = getattr(layer, attr, None)
-        if isinstance(value, int) and value % 8:
-            findings.append(f"{attr}={value} not a multiple of 8")
-    kernel = getattr(layer, "kernel", None)
-    if kernel is not None and len(kernel.shape) >= 3:
-        channels = kernel.shape[-2]
-        if channels % 8:
-            findings.append(f"input channels={channels} not a multiple of 8")
-    elif kernel is not None and len(kernel.shape) == 2 and kernel.shape[0] % 8:
-        findings.append(f"input features={kernel.shape[0]} not a multiple of 8")
-    if isinstance(layer, keras.layers.Embedding) and layer.output_dim % 8:
-        findings.append(f"output_dim={layer.output_dim} not a multiple of 8")
-    return findings
-
-
-def _flat_layers(model):
-    for layer in model.layers:
-        if isinstance(layer, keras.Model):
-            yield from _flat_layers(layer)
-        else:
-            yield layer
-
-
-def mixed_precision_audit(model, batch_size=None, verbose=True):
-    """Lists each layer's dtypes and its Tensor Core alignment findings.
-
-    Tensor Cores run float16/bfloat16 (and INT8) matrix math when the
-    matrix dimensions are multiples of 8: units, filters, input channels and
-    the batch size. A misaligned dimension falls back to slower kernels or is
-    padded.
-
-    Args:
-        model: A built `keras.Model`.
-        batch_size: int. The training batch size, checked too when given.
-        verbose: bool. Print the table and summary. Defaults to True.
-
-    Returns:
-        `AuditReport` with `.layers`, `.findings`, `.summary`, `.to_table()`.
-
-    Example:
-
-    >>> report = keras_mp.mixed_precision_audit(model, batch_size=128)
-    >>> report.summary
-    '9 layers: 7 compute in 16-bit, 2 in float32; 1 Tensor Core ...'
-    """
-    _check_model(model)
-    if not model.built:
-        raise ValueError(
-            f"Model {model.name!r} is not built, so its weight shapes are "
-            "unknown. Call it on a batch or call `model.build(input_shape)` "
-            "first."
-        )
-    rows = []
-    for layer in _flat_layers(model):
-        if isinstance(layer, keras.layers.InputLayer):
-            continue
-        rows.append(
-            LayerAudit(
-                name=layer.name,
-                class_name=type(layer).__name__,
-                compute_dtype=layer.compute_dtype,
-                variable_dtype=layer.variable_dtype,
-                findings=_alignment_findings(layer),
-            )
-        )
-    batch_finding = ""
-    if batch_size is not None and batch_size % 8:
-        batch_finding = f"batch_size={batch_size} not a multiple of 8"
-    report = AuditReport(rows, batch_size, batch_finding)
-    if verbose:
-        print(report.to_table())
-    return report
-
-
 def set_tf32(enabled):
     """Turns TensorFloat-32 matrix math on or off; returns the previous state.
 
     TF32 (Ampere and newer) runs float32 matmuls and convolutions on Tensor
     Cores with a 10-bit mantissa. TensorFlow enables it by default; turn it
     off when a float32 baseline must be bit-faithful.
+
+    Args:
+        enabled: bool. Whether TF32 math is allowed.
+
+    Returns:
+        bool. The previous state.
+
+    Example:
+
+    >>> previous = keras_mp.set_tf32(False)
     """
     import tensorflow as tf
 

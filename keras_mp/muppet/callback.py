@@ -1,24 +1,7 @@
-"""MuPPET precision switching in `fit`: the `PrecisionSwitching` callback.
+"""`PrecisionSwitching`: runs MuPPET's precision schedule during `fit`.
 
-MuPPET (Rajagopal et al., ICML 2020, arXiv 2006.09049) trains a network in
-8-, 12-, 14- and 16-bit dynamic fixed point before finishing in float32, and
-decides at run time when to move up: when the gradients of successive
-epochs stop carrying new information (their diversity drops well below the
-best seen at this precision). `keras_mp.muppet.model` builds the fixed-point
-model; `keras_mp.muppet.policy` holds the switching rule; this module runs
-it in `PrecisionSwitching` and re-exports the MuPPET API, with the GPU cost
-model (`estimate_speedup`, from `keras_mp.muppet.cost`) and
-`plot_precision` (`keras_mp.muppet.plot`).
-
-How the policy sees gradients: every `FixedPointWrapper` writes the weight
-gradient of each training step into a variable (`last_gradients`) from
-inside the backward pass, so after an epoch those variables hold that
-epoch's last-minibatch gradients, as in the authors' code. The gradient is
-divided by the loss scale before it is written, and a non-finite one (a
-step that loss scaling skips) is not written. Per step this costs one extra
-write of each weight gradient (the size of the weights, no extra FLOPs, no
-extra forward or backward pass); per epoch the callback reads them once
-into the window sums.
+The switching rule is in `keras_mp.muppet.policy`, the fixed-point model in
+`keras_mp.muppet.model`. Guide: `docs/muppet.md`.
 """
 
 import math
@@ -43,6 +26,7 @@ from keras_mp.muppet.quantizer import check_word_length
 
 
 def _positive_int(value, name):
+    """`value` as an int, or a ValueError naming the argument."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise ValueError(
             f"`{name}` must be a positive int. Received: {value!r}"
@@ -66,7 +50,7 @@ class PrecisionSwitching(keras.callbacks.Callback):
     that started a new precision.
 
     Gradients: each `FixedPointWrapper` records every step's weight
-    gradients (one write per step, no extra pass; see `keras_mp.muppet.callback`),
+    gradients (one write per step, no extra pass; see `docs/muppet.md`),
     divided by the optimizer's loss scale and only when finite (a step that
     loss scaling skips leaves the previous step's gradients), and at each
     epoch end this callback adds the last-minibatch gradients to the window

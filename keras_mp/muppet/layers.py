@@ -1,12 +1,7 @@
-"""The layers of a MuPPET model: fixed-point wrapper, input, switching state.
-
-`FixedPointWrapper` trains a weighted layer in dynamic fixed point,
-`FixedPointInput` quantizes a network input, `PrecisionState` holds the
-precision-switching state. Everything a resumed run needs is a weight of
-these layers, so `.keras` files, `save_weights` and
-`keras.callbacks.BackupAndRestore` carry it: the word length, the
-switching state, the gradient window sums, and the state of the
-stochastic-rounding random stream.
+"""The layers of a MuPPET model: `FixedPointWrapper` (a weighted layer in
+fixed point), `FixedPointInput` (a network input), `PrecisionState` (the
+switching state). Their state is in weights, so saved files and
+checkpoints resume it. Guide: `docs/muppet.md`.
 """
 
 import inspect

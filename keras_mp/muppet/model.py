@@ -1,73 +1,20 @@
-"""Fixed-point (block floating point) models for MuPPET training.
-
-MuPPET (Rajagopal et al., ICML 2020, arXiv 2006.09049) trains in dynamic
-fixed point: every tensor gets one power-of-two exponent and WL-bit signed
-integer mantissas. `fixed_point_model()` turns a float model into a
-MuPPET-trainable copy built from the layers of
-`keras_mp.muppet.layers`, which quantize with
-`keras_mp.muppet.quantizer`; `keras_mp.muppet.callback` holds the switching
-policy.
-
-The word length lives in a non-trainable variable of each layer (0 means
-float32), so switching precision is one `assign`: the training function is
-neither retraced nor recompiled.
+"""`fixed_point_model`: the MuPPET-trainable copy of a float model, and the
+helpers that find and set its fixed-point layers. Guide: `docs/muppet.md`.
 """
 
 import keras
 
+from keras_mp import _models
 from keras_mp.muppet.layers import (
     FixedPointInput,
     FixedPointWrapper,
     PrecisionState,
 )
-from keras_mp.muppet.quantizer import (
-    FLOAT32,
-    check_word_length,
-    fixed_point_quantize,
-    fixed_point_ste,
-)
-
-__all__ = [
-    "FLOAT32",
-    "FixedPointInput",
-    "FixedPointWrapper",
-    "PrecisionState",
-    "check_word_length",
-    "fixed_point_layers",
-    "fixed_point_model",
-    "fixed_point_quantize",
-    "fixed_point_ste",
-    "precision_state",
-    "set_word_length",
-]
-
-# Where tf_keras (Keras 2) keeps its model classes.
-_KERAS_2_MODULES = ("tf_keras", "keras.src.engine", "keras.engine")
-
-
-def _check_keras_3_model(model):
-    if isinstance(model, keras.Model):
-        return
-    module = type(model).__module__
-    hint = ""
-    if module.startswith(_KERAS_2_MODULES):
-        hint = (
-            " This is a tf_keras (Keras 2) model, which is not supported: "
-            "rebuild it with Keras 3 (`import keras`)."
-        )
-    raise TypeError(
-        "fixed_point_model() expects a Keras 3 `keras.Model`. Received: "
-        f"{module}.{type(model).__name__}.{hint}"
-    )
-
-
-def _is_graph_model(model):
-    from keras.src.models.functional import Functional
-
-    return isinstance(model, (keras.Sequential, Functional))
+from keras_mp.muppet.quantizer import check_word_length
 
 
 def _wrap_layer(layer, seed):
+    """A copy of `layer`, wrapped in `FixedPointWrapper` if it has weights."""
     copy = layer.__class__.from_config(layer.get_config())
     if not layer.trainable_weights:
         return copy
@@ -95,9 +42,9 @@ def fixed_point_model(model, seed=None):
         `model`'s.
 
     Raises:
-        TypeError: `model` is not a Keras 3 model (e.g. a tf_keras one).
-        ValueError: `model` is subclassed, not built, or has no trainable
-            weights.
+        TypeError: `model` is not a Keras 3 model (e.g. a tf_keras one), or
+            is subclassed.
+        ValueError: `model` is not built, or has no trainable weights.
 
     Example:
 
@@ -105,16 +52,14 @@ def fixed_point_model(model, seed=None):
     >>> fp = fixed_point_model(model)
     >>> fp.compile("sgd", "mse")
     """
-    _check_keras_3_model(model)
-    if not _is_graph_model(model):
-        raise ValueError(
-            "fixed_point_model() needs a Sequential or Functional model to "
-            f"copy its layers; received the subclassed model "
-            f"'{type(model).__name__}'. Rebuild it with the Functional API "
-            "(keras.Model(inputs, outputs)), or wrap its weighted layers in "
-            "keras_mp.FixedPointWrapper, add keras_mp.FixedPointInput on its "
-            "inputs and a keras_mp.PrecisionState layer yourself."
-        )
+    _models.check_graph_model(
+        model,
+        "fixed_point_model",
+        "Rebuild it with the Functional API (keras.Model(inputs, outputs)), "
+        "or wrap its weighted layers in keras_mp.FixedPointWrapper, add "
+        "keras_mp.FixedPointInput on its inputs and a "
+        "keras_mp.PrecisionState layer yourself.",
+    )
     if not model.built or not model.inputs:
         raise ValueError(
             f"fixed_point_model() needs a built model with known inputs; "
@@ -150,23 +95,19 @@ def fixed_point_model(model, seed=None):
 
 
 def fixed_point_layers(model):
-    """Yields the layers of `model` that hold a `word_length` variable."""
-    for layer in model.layers:
-        if isinstance(layer, (FixedPointWrapper, FixedPointInput)):
+    """Yields the layers of `model`, at any depth, that hold a `word_length`
+    variable (`FixedPointWrapper`s and `FixedPointInput`s)."""
+    fixed = (FixedPointWrapper, FixedPointInput)
+    for layer in _models.walk_layers(model, stop_at=fixed):
+        if isinstance(layer, fixed):
             yield layer
-        elif isinstance(layer, keras.Model):
-            yield from fixed_point_layers(layer)
 
 
 def precision_state(model):
     """Returns the `PrecisionState` layer of `model`, or None."""
-    for layer in model.layers:
+    for layer in _models.walk_layers(model, stop_at=(FixedPointWrapper,)):
         if isinstance(layer, PrecisionState):
             return layer
-        if isinstance(layer, keras.Model):
-            found = precision_state(layer)
-            if found is not None:
-                return found
     return None
 
 
@@ -179,6 +120,10 @@ def set_word_length(model, word_length):
 
     Raises:
         ValueError: bad `word_length`.
+
+    Example:
+
+    >>> set_word_length(fixed_point_model(model), 8)
     """
     value = float(check_word_length(word_length))
     for layer in fixed_point_layers(model):

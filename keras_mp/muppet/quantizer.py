@@ -60,8 +60,9 @@ def _block_quantize(x, word_length, seed, per_sample):
     ratio_low = ops.where(
         x_min < 0, lower / ops.where(x_min < 0, x_min, -1.0), np.inf
     )
-    ratio = ops.minimum(ratio_up, ratio_low)
-    ratio = ops.where(ops.isfinite(ratio), ratio, 1.0)
+    # Values so small that the ratio overflows (or an all-zero tensor) take
+    # the largest exponent.
+    ratio = ops.minimum(ops.minimum(ratio_up, ratio_low), 2.0**_MAX_EXPONENT)
     s = ops.floor(ops.log2(ratio))
     # log2 is not exact at powers of two: fix s so 2**s <= ratio < 2**(s+1).
     s = ops.where(ops.power(2.0, s + 1.0) <= ratio, s + 1.0, s)

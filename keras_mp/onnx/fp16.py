@@ -1,18 +1,7 @@
-"""Float16 ONNX for strongly typed TensorRT builds (`export_onnx(fp16=True)`).
-
-TensorRT's `--stronglyTyped` mode takes every tensor's precision from the
-ONNX graph, so "INT8 where quantized, FP16 elsewhere" has to be written
-into the file. This pass turns every float32 tensor inside the graph into
-float16 and keeps the graph's inputs and outputs float32 (a Cast at each
-boundary), as the float32 Keras model's signature promises.
-
-Q/DQ scales become float16 too, so each DequantizeLinear outputs float16
-and feeds its Conv/MatMul directly (no Cast in between, which would break
-TensorRT's Q/DQ fusion). A float16 scale needs opset >= 19
-(QuantizeLinear-19 / DequantizeLinear-19); tf2onnx 1.17 writes at most
-opset 18, so the graph is moved to the asked opset with ONNX's own
-version converter first.
-"""
+"""Float16 ONNX for strongly typed TensorRT builds (`export_onnx(fp16=True)`):
+every float32 tensor inside the graph, Q/DQ scales included, becomes
+float16; inputs and outputs stay float32 (`docs/export.md`, "Float16
+graphs for strongly typed TensorRT")."""
 
 import numpy as np
 

@@ -12,10 +12,12 @@ from keras_mp.quantization.annotate import (
     quantize_apply,
     quantize_model,
 )
-from keras_mp.quantization.calibrate import calibrate, quantization_report
+from keras_mp.quantization.calibrate import calibrate
 from keras_mp.quantization.config import QuantizeConfig
 from keras_mp.quantization.layers import (
     QuantizeActivation,
     QuantizeWrapper,
     set_quantization_enabled,
 )
+from keras_mp.quantization.report import quantization_report
+from keras_mp.quantization.strip import strip_quantization

@@ -1,19 +1,28 @@
 """Annotate -> apply: which layers get quantized, and where Q/DQ go.
 
-The tfmot flow (annotate, apply, fine-tune, strip, export) for Keras 3
-models, with TensorRT's placement rules built in: Q/DQ on the inputs of
-weighted layers (never on their outputs), on the skip input of a residual
-Add, on every input of a Concatenate; BatchNormalization is left unfolded
-for TensorRT to fold.
+tfmot's flow for Keras 3 models, with TensorRT's Q/DQ placement rules
+(`docs/quantization.md`) built in.
 """
 
 import keras
-from keras.src.models.functional import Functional
 
-from keras_mp.mixed_precision.policy import _check_model
-from keras_mp.quantization.config import SKIP_INPUTS, QuantizeConfig, layer_spec
-from keras_mp.quantization.layers import QuantizeActivation, QuantizeWrapper
+from keras_mp import _keras, _models, layer_table
+from keras_mp.layer_table import NO_INPUTS, SKIP_INPUTS
+from keras_mp.quantization.config import QuantizeConfig
+from keras_mp.quantization.layers import (
+    QuantizeActivation,
+    QuantizeWrapper,
+    quantizable_row,
+)
 from keras_mp.selection import layer_matcher
+
+# What a user with a subclassed model can do instead.
+_SUBCLASSED = (
+    "Its layers cannot be swapped automatically: wrap them in your model's "
+    "__init__ with `keras_mp.QuantizeWrapper(layer)` (and "
+    "`keras_mp.QuantizeActivation()` on residual inputs), or rebuild it as a "
+    "Functional or Sequential model."
+)
 
 
 @keras.saving.register_keras_serializable(package="keras_mp")
@@ -72,7 +81,7 @@ def quantize_annotate_layer(layer, config=None):
         raise TypeError(
             f"Expected a Keras 3 layer. Received: {type(layer).__name__}"
         )
-    if layer_spec(layer) is None:
+    if quantizable_row(layer) is None:
         QuantizeWrapper(layer)  # raises the unsupported-type error
     return QuantizeAnnotate(layer, config)
 
@@ -91,25 +100,20 @@ def _config_for(layer, config):
     )
 
 
-def _flat_layers(model):
-    for layer in model.layers:
-        yield layer
-        if isinstance(layer, keras.Model):
-            yield from _flat_layers(layer)
+def graph_layers(model):
+    """The layers `keras.models.clone_model(recursive=True)` rebuilds: those
+    of `model` and of every model nested in it, in a stable order."""
+    models = [model] + [
+        layer
+        for layer in _models.walk_layers(model, include_models=True)
+        if isinstance(layer, keras.Model)
+    ]
+    return [layer for m in models for layer in m.layers]
 
 
-def _check_graph_model(model):
-    _check_model(model)
-    if not isinstance(model, (keras.Sequential, Functional)):
-        raise TypeError(
-            f"Model {model.name!r} is a subclassed {type(model).__name__}: "
-            "its graph is Python code, so layers cannot be swapped "
-            "automatically. Wrap the layers in your model's __init__ with "
-            "`keras_mp.QuantizeWrapper(layer)` (and "
-            "`keras_mp.QuantizeActivation()` on residual inputs), or rebuild "
-            "it as a Functional or Sequential model."
-        )
-    for layer in _flat_layers(model):
+def _check_float_model(model, caller):
+    _models.check_graph_model(model, caller, _SUBCLASSED)
+    for layer in _models.walk_layers(model):
         if isinstance(layer, (QuantizeWrapper, QuantizeActivation)):
             raise ValueError(
                 f"Model {model.name!r} is already quantized (layer "
@@ -142,10 +146,10 @@ def quantize_annotate_model(model, layers=None, config=None):
         ValueError: the selection names an unsupported layer, or matches
             no quantizable layer.
     """
-    _check_graph_model(model)
+    _check_float_model(model, "quantize_annotate_model")
     match = layer_matcher(layers)
     chosen = {}
-    for layer in _flat_layers(model):
+    for layer in graph_layers(model):
         if isinstance(layer, (keras.Model, keras.layers.InputLayer)):
             continue
         if not match(layer) or isinstance(layer, QuantizeAnnotate):
@@ -153,21 +157,21 @@ def quantize_annotate_model(model, layers=None, config=None):
         layer_config = _config_for(layer, config)
         if layer_config is not None and layer_config.skip:
             continue
-        spec = layer_spec(layer)
-        if spec is None:
+        row = quantizable_row(layer)
+        if row is None:
             if layers is not None and isinstance(layers, str):
                 QuantizeWrapper(layer)  # raises, naming the layer
             continue
         wants_inputs = (layer_config and layer_config.quantize_inputs) or (
-            spec.inputs != "none"
+            row.inputs != NO_INPUTS
         )
-        if spec.weights or wants_inputs:
+        if row.weights or wants_inputs:
             chosen[id(layer)] = layer_config
     if not chosen:
         raise ValueError(
             f"No quantizable layer in model {model.name!r} matches "
-            f"layers={layers!r}. Supported types: Conv*, DepthwiseConv2D, "
-            "SeparableConv2D, Dense, EinsumDense, Add, Concatenate."
+            f"layers={layers!r}. Supported types: "
+            f"{', '.join(layer_table.quantizable_names())}."
         )
 
     def clone(layer):
@@ -177,47 +181,47 @@ def quantize_annotate_model(model, layers=None, config=None):
             return QuantizeAnnotate(_copy_layer(layer.layer), layer.config)
         return _copy_layer(layer)
 
-    return _clone_with_weights(model, clone)
+    return clone_with_weights(model, clone)
 
 
-def _clone_with_weights(model, clone):
+def clone_with_weights(model, clone):
+    """`keras.models.clone_model(model, clone_function=clone)`, nested models
+    included, with every layer's weights (and state) copied over."""
     new = keras.models.clone_model(model, clone_function=clone, recursive=True)
-    for old, fresh in zip(_flat_layers(model), _flat_layers(new)):
+    for old, fresh in zip(graph_layers(model), graph_layers(new)):
         if isinstance(old, keras.Model):
             continue
-        _unwrap(fresh).set_weights(_unwrap(old).get_weights())
+        unwrap(fresh).set_weights(unwrap(old).get_weights())
     return new
 
 
-def _unwrap(layer):
+def unwrap(layer):
+    """The float layer inside annotate / quantize wrappers."""
     while isinstance(layer, (QuantizeAnnotate, QuantizeWrapper)):
         layer = layer.layer
     return layer
 
 
-def _producer(tensor):
-    history = getattr(tensor, "_keras_history", None)
-    return None if history is None else history.operation
-
-
 def _is_fusable(layer):
     """True when TensorRT can fuse this producer into a following Add: a
     weighted layer, optionally through BatchNormalization."""
-    inner = _unwrap(layer)
+    inner = unwrap(layer)
     if isinstance(inner, keras.layers.BatchNormalization):
-        node = inner._inbound_nodes[0] if inner._inbound_nodes else None
-        parents = [_producer(t) for t in (node.input_tensors if node else [])]
+        nodes = _keras.inbound_nodes(inner)
+        tensors = nodes[0].input_tensors if nodes else []
+        parents = [_keras.producer(t) for t in tensors]
         return any(p is not None and _is_fusable(p) for p in parents)
-    spec = layer_spec(inner)
-    return spec is not None and spec.weighted
+    row = layer_table.row_for(inner)
+    return row is not None and row.weighted
 
 
 def _skip_indices(layer):
     """Residual Add: Q/DQ on the inputs TensorRT cannot fuse, when at least
     one input comes from a weighted layer; none otherwise."""
-    if not layer._inbound_nodes:
+    nodes = _keras.inbound_nodes(layer)
+    if not nodes:
         return []
-    producers = [_producer(t) for t in layer._inbound_nodes[0].input_tensors]
+    producers = [_keras.producer(t) for t in nodes[0].input_tensors]
     fusable = [p is not None and _is_fusable(p) for p in producers]
     if not any(fusable):
         return []
@@ -244,10 +248,10 @@ def quantize_apply(model):
         ValueError: nothing is annotated, or the model is already quantized.
         TypeError: a subclassed, tf_keras or non-Keras model.
     """
-    _check_graph_model(model)
+    _check_float_model(model, "quantize_apply")
     annotated = [
         layer
-        for layer in _flat_layers(model)
+        for layer in graph_layers(model)
         if isinstance(layer, QuantizeAnnotate)
     ]
     if not annotated:
@@ -258,9 +262,9 @@ def quantize_apply(model):
         )
     indices = {}
     for layer in annotated:
-        spec = layer_spec(layer.layer)
+        row = quantizable_row(layer.layer)
         overridden = layer.config and layer.config.quantize_inputs is not None
-        if spec.inputs == SKIP_INPUTS and not overridden:
+        if row.inputs == SKIP_INPUTS and not overridden:
             indices[id(layer)] = _skip_indices(layer)
 
     def clone(layer):
@@ -273,8 +277,8 @@ def quantize_apply(model):
             )
         return _copy_layer(layer)
 
-    new = _clone_with_weights(model, clone)
-    for layer in _flat_layers(new):
+    new = clone_with_weights(model, clone)
+    for layer in graph_layers(new):
         if isinstance(layer, QuantizeWrapper):
             layer.update_weight_ranges()
     return new
@@ -299,4 +303,5 @@ def quantize_model(model, config=None, layers=None):
     >>> keras_mp.calibrate(qmodel, x_train[:2048], method="entropy")
     >>> qmodel.compile(...); qmodel.fit(...)  # optional QAT
     """
+    _check_float_model(model, "quantize_model")
     return quantize_apply(quantize_annotate_model(model, layers, config))

@@ -1,10 +1,8 @@
 """Post-training calibration: activation ranges from real data.
 
-Four calibrators, as TensorRT and pytorch-quantization name them: `max`
-(running max of |x|), `percentile`, `entropy` (TensorRT's KL-divergence
-search) and `mse`, the last three on a 2048-bin histogram of |x| whose range
-grows with the data. Weights always use per-channel max. A new calibrator is
-one function in `CALIBRATORS`.
+`calibrate` runs a quantized model in float over the data, feeds each
+activation quantizer's input to a calibrator (`calibrators.py`) and writes
+the ranges it picks. Guide: `docs/quantization.md`.
 """
 
 import dataclasses
@@ -12,123 +10,16 @@ import dataclasses
 import keras
 import numpy as np
 
-from keras_mp.mixed_precision.policy import _check_model
+from keras_mp import _models
+from keras_mp.quantization.calibrators import (
+    CALIBRATORS,
+    PercentileCalibrator,
+)
 from keras_mp.quantization.layers import (
     QuantizeActivation,
     QuantizeWrapper,
     iter_quantize_layers,
 )
-
-NUM_BINS = 2048
-
-
-class HistogramCollector:
-    """Running max and histogram of |x| for one activation quantizer."""
-
-    def __init__(self, name, num_bins=NUM_BINS):
-        self.name = name
-        self.num_bins = num_bins
-        self.amax = 0.0
-        self.hist = None
-        self.bin_width = None
-        self.batches = 0
-
-    def update(self, x):
-        x = np.abs(np.asarray(x, np.float32)).ravel()
-        if not np.all(np.isfinite(x)):
-            bad = int(np.sum(~np.isfinite(x)))
-            raise ValueError(
-                f"Calibration data produced {bad} non-finite value(s) at the "
-                f"input of {self.name!r} (batch {self.batches}). Remove "
-                "NaN/Inf from the data or fix the layers before it."
-            )
-        self.batches += 1
-        batch_max = float(x.max()) if x.size else 0.0
-        self.amax = max(self.amax, batch_max)
-        if self.hist is None:
-            if batch_max == 0.0:
-                return
-            self.bin_width = batch_max / self.num_bins
-            self.hist = np.zeros(self.num_bins, np.int64)
-        needed = int(np.ceil(batch_max / self.bin_width))
-        if needed > len(self.hist):  # grow with bins of the same width
-            self.hist = np.concatenate(
-                [self.hist, np.zeros(needed - len(self.hist), np.int64)]
-            )
-        idx = np.minimum(
-            (x / self.bin_width).astype(np.int64), len(self.hist) - 1
-        )
-        self.hist += np.bincount(idx, minlength=len(self.hist))
-
-    @property
-    def edges(self):
-        return np.arange(len(self.hist) + 1) * self.bin_width
-
-
-def _max(collector, **_):
-    return collector.amax
-
-
-def _percentile(collector, percentile=99.99, **_):
-    cdf = np.cumsum(collector.hist) / collector.hist.sum()
-    idx = int(np.searchsorted(cdf, percentile / 100.0))
-    return float(collector.edges[min(idx + 1, len(collector.hist))])
-
-
-def _entropy(collector, num_bits=8, stride=1, **_):
-    """TensorRT's calibration: the clip threshold whose 128-level quantized
-    distribution has the least KL divergence from the clipped reference."""
-    hist = collector.hist.astype(np.float64)
-    # ReLU outputs put half their mass in bin 0; that spike would dominate
-    # the divergence and pick a tiny range. TensorRT's reference
-    # implementation (pytorch-quantization) flattens it the same way.
-    hist[0] = hist[1]
-    levels = 2 ** (num_bits - 1)
-    best, best_i = np.inf, len(hist)
-    for i in range(levels, len(hist) + 1, stride):
-        ref = hist[:i].copy()
-        ref[-1] += hist[i:].sum()
-        nonzero = hist[:i] != 0
-        # merge i bins into `levels` groups, spread each group's mass back
-        # over its non-empty bins
-        group = (np.arange(i) * levels) // i
-        sums = np.bincount(group, weights=hist[:i], minlength=levels)
-        counts = np.bincount(group, weights=nonzero, minlength=levels)
-        q = np.where(nonzero, sums[group] / np.maximum(counts[group], 1), 0.0)
-        p_sum, q_sum = ref.sum(), q.sum()
-        if q_sum == 0:
-            continue
-        p, q = ref / p_sum, q / q_sum
-        mask = p > 0
-        with np.errstate(divide="ignore"):
-            kl = np.sum(p[mask] * np.log(p[mask] / np.maximum(q[mask], 1e-12)))
-        if kl <= best:  # ties: the larger range, as TensorRT does
-            best, best_i = kl, i
-    return float(collector.edges[best_i])
-
-
-def _mse(collector, num_bits=8, candidates=256, **_):
-    """The range that minimizes the histogram-weighted quantization MSE."""
-    hist = collector.hist.astype(np.float64)
-    centers = (collector.edges[:-1] + collector.edges[1:]) / 2
-    qmax = 2 ** (num_bits - 1) - 1
-    amaxes = np.linspace(
-        collector.amax / candidates, collector.amax, candidates
-    )
-    errors = []
-    for amax in amaxes:
-        scale = amax / qmax
-        q = np.clip(np.round(centers / scale), -qmax - 1, qmax) * scale
-        errors.append(np.sum(hist * (centers - q) ** 2))
-    return float(amaxes[int(np.argmin(errors))])
-
-
-CALIBRATORS = {
-    "max": _max,
-    "percentile": _percentile,
-    "entropy": _entropy,
-    "mse": _mse,
-}
 
 
 @dataclasses.dataclass
@@ -259,10 +150,10 @@ def calibrate(
 ):
     """Sets activation ranges from real data (post-training quantization).
 
-    Runs the model in float (fake quant off) over `data`, collecting the
-    running max and a histogram of |x| at each activation quantizer, then
-    writes the range each method picks. Weight ranges are set to their
-    per-channel `max|w|`.
+    Runs the model in float (fake quant off) over `data`, feeding the input
+    of each activation quantizer to a calibrator of `method`, then writes
+    the range it picks for that quantizer's `num_bits`. Weight ranges are
+    set to their per-channel `max|w|`.
 
     Args:
         model: a quantized model (`keras_mp.quantize_model`).
@@ -289,7 +180,7 @@ def calibrate(
     >>> qmodel = keras_mp.quantize_model(model)
     >>> report = keras_mp.calibrate(qmodel, x_train[:4096], method="entropy")
     """
-    _check_model(model)
+    _models.check_model(model, "calibrate")
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(
             f"`batch_size` must be a positive integer. Received: {batch_size!r}"
@@ -316,9 +207,13 @@ def calibrate(
             f"Model {model.name!r} has no activation quantizer to calibrate. "
             "Quantize it first with keras_mp.quantize_model(model)."
         )
-    collectors = {}
+    calibrators = {}
     for name, q in quantizers.items():
-        collectors[name] = q.collector = HistogramCollector(name)
+        if method == "percentile":
+            calibrator = PercentileCalibrator(name, percentile)
+        else:
+            calibrator = CALIBRATORS[method](name)
+        calibrators[name] = q.collector = calibrator
     samples = batches = 0
     progbar = keras.utils.Progbar(
         num_batches, verbose=verbose, unit_name="batch"
@@ -348,20 +243,17 @@ def calibrate(
         raise ValueError("Calibration data is empty: pass some real inputs.")
     ranges, observed, collapsed = {}, {}, []
     for name, q in quantizers.items():
-        c = collectors[name]
-        observed[name] = c.amax
-        if c.hist is None:
+        calibrator = calibrators[name]
+        observed[name] = calibrator.observed_max
+        amax = calibrator.compute_amax(q.num_bits)
+        if calibrator.observed_max == 0.0:
             collapsed.append(name)
-            amax = 0.0
-        else:
-            amax = CALIBRATORS[method](c, percentile=percentile)
         q.amax.assign(amax)
         ranges[name] = amax
     for layer in iter_quantize_layers(model):
         if isinstance(layer, QuantizeWrapper):
             layer.update_weight_ranges()
-    for attr in ("train_function", "test_function", "predict_function"):
-        setattr(model, attr, None)
+    _models.reset_compiled_functions(model)
     return CalibrationReport(
         method, batches, samples, ranges, observed, collapsed
     )
@@ -376,71 +268,3 @@ def _activation_quantizers(model):
         elif isinstance(layer, QuantizeActivation):
             out[layer.name] = layer
     return out
-
-
-def quantization_report(model, verbose=True):
-    """Per layer: what is quantized, with which ranges, what is skipped, why.
-
-    Args:
-        model: a `keras.Model`, quantized or not.
-        verbose: bool. Print the table. Defaults to True.
-
-    Returns:
-        A list of dicts: `layer`, `type`, `quantized` (bool), `inputs`
-        (activation ranges), `weights` (per-channel range min/max), `note`.
-    """
-    from keras_mp.quantization.config import layer_spec
-
-    _check_model(model)
-    rows = []
-
-    def walk(m):
-        for layer in m.layers:
-            if isinstance(layer, keras.Model):
-                walk(layer)
-                continue
-            if isinstance(layer, keras.layers.InputLayer):
-                continue
-            row = {"layer": layer.name, "type": type(layer).__name__}
-            if isinstance(layer, QuantizeWrapper):
-                row["type"] = type(layer.layer).__name__
-                amaxes = [float(q.amax.numpy()) for q in layer.input_quantizers]
-                row["quantized"] = True
-                row["inputs"] = dict(zip(layer.input_indices, amaxes))
-                row["weights"] = {
-                    attr: (float(np.min(v.numpy())), float(np.max(v.numpy())))
-                    for attr, _, v in layer.weight_ranges
-                }
-                row["note"] = (
-                    "uncalibrated input range (0): run keras_mp.calibrate"
-                    if any(a == 0 for a in amaxes)
-                    else ""
-                )
-            elif isinstance(layer, QuantizeActivation):
-                row.update(
-                    quantized=True, inputs={0: float(layer.amax.numpy())}
-                )
-                row.update(weights={}, note="stand-alone Q/DQ")
-            else:
-                spec = layer_spec(layer)
-                row.update(quantized=False, inputs={}, weights={})
-                if spec is None:
-                    row["note"] = "not a quantizable type: runs in float"
-                elif not spec.weights and spec.inputs == "none":
-                    row["note"] = "no Q/DQ needed (TensorRT propagates scales)"
-                else:
-                    row["note"] = "not selected, or skipped by QuantizeConfig"
-            rows.append(row)
-
-    walk(model)
-    if verbose:
-        for r in rows:
-            ins = ", ".join(f"in{i}={a:.4g}" for i, a in r["inputs"].items())
-            ws = ", ".join(
-                f"{k}=[{lo:.3g}..{hi:.3g}]"
-                for k, (lo, hi) in r["weights"].items()
-            )
-            flag = "Q" if r["quantized"] else "-"
-            name, kind = r["layer"], r["type"]
-            print(f"{flag} {name:<24} {kind:<22} {ins} {ws} {r['note']}")
-    return rows

@@ -1,23 +1,18 @@
 """Quantize layers: the activation Q/DQ layer and the one quantize wrapper.
 
-`QuantizeActivation` fake-quantizes a tensor per-tensor with a float32
-range variable. `QuantizeWrapper` wraps any layer type in
-`config.LAYER_SPECS`: it fake-quantizes the inputs the spec names (one
-`QuantizeActivation` each) and each weight per-channel on its output-channel
-axis, then runs the wrapped layer with the fake-quantized weights swapped in
-through a `keras.StatelessScope`. One wrapper for every type: a new type is
-a table row in `config.py`.
+`QuantizeActivation` fake-quantizes one tensor per-tensor; `QuantizeWrapper`
+wraps any quantizable type of `keras_mp.layer_table`. Guide:
+`docs/quantization.md`.
 """
+
+import math
 
 import keras
 import tensorflow as tf
 
-from keras_mp.quantization.config import (
-    ALL_INPUTS,
-    NO_INPUTS,
-    QuantizeConfig,
-    layer_spec,
-)
+from keras_mp import _keras, _models, layer_table
+from keras_mp.layer_table import ALL_INPUTS, NO_INPUTS
+from keras_mp.quantization.config import QuantizeConfig
 from keras_mp.quantization.quantizers import (
     channel_amax,
     fake_quant,
@@ -67,7 +62,7 @@ class QuantizeActivation(keras.layers.Layer):
 
     def call(self, inputs, training=None):
         if self.collector is not None:
-            self.collector.update(keras.ops.convert_to_numpy(inputs))
+            self.collector.collect(keras.ops.convert_to_numpy(inputs))
             return inputs
         if not self.enabled:
             return inputs
@@ -80,7 +75,7 @@ class QuantizeActivation(keras.layers.Layer):
             out = fake_quant_learned(inputs, amax, num_bits=self.num_bits)
         else:
             out = fake_quant(inputs, amax, num_bits=self.num_bits)
-        if training and _in_xla_context():
+        if training and _keras.in_xla_context():
             # Under XLA the fake-quant op turns NaN into a finite code, so a
             # non-finite batch would reach the loss looking finite and the
             # loss-scale optimizer would not skip it (without XLA the op
@@ -96,16 +91,6 @@ class QuantizeActivation(keras.layers.Layer):
         config = super().get_config()
         config.update(num_bits=self.num_bits, learned_range=self.learned_range)
         return config
-
-
-def _in_xla_context():
-    """True while tracing a function compiled with XLA (`jit_compile`)."""
-    try:
-        from tensorflow.python.framework import ops
-        from tensorflow.python.ops import control_flow_util
-    except ImportError:  # moved in a later TensorFlow: assume XLA
-        return True
-    return control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph())
 
 
 def _first_batch_range(amax, inputs):
@@ -137,20 +122,34 @@ def _batch_max(inputs):
     return tf.where(finite, tf.reduce_max(x), float("inf"))
 
 
-def _kernel_view(kernel, axis):
-    """Depthwise kernels (kh, kw, in, mult) have output channel in * mult:
-    quantize them as (kh, kw, in * mult) on the last axis."""
-    if axis == "depthwise":
-        shape = tf.shape(kernel)
-        flat = tf.reshape(kernel, tf.concat([shape[:-2], [-1]], 0))
-        return flat, -1, lambda q: tf.reshape(q, shape)
-    return kernel, axis, lambda q: q
+def quantizable_row(layer):
+    """The `layer_table.LayerRow` of `layer` if it can be wrapped, else
+    None."""
+    row = layer_table.row_for(layer)
+    return row if row is not None and row.quantizable else None
 
 
-def _num_channels(shape, axis):
-    if axis == "depthwise":
-        return (int(shape[-2] * shape[-1]),)
-    return () if axis is None else (int(shape[axis]),)
+def _channel_view(kernel, out_axes):
+    """`(view, axis, back)`: `kernel` with its output-channel axes merged
+    into the one axis `axis` of `view` (a depthwise `(kh, kw, in, mult)`
+    becomes `(kh, kw, in * mult)`), and `back` to restore the shape. `axis`
+    is None for per-tensor (`out_axes == ()`). The axes are adjacent, as in
+    every table row."""
+    if not out_axes:
+        return kernel, None, lambda q: q
+    rank = len(kernel.shape)
+    axes = sorted(a % rank for a in out_axes)
+    if len(axes) == 1:
+        return kernel, axes[0], lambda q: q
+    shape = tf.shape(kernel)
+    merged = tf.concat([shape[: axes[0]], [-1], shape[axes[-1] + 1 :]], 0)
+    return tf.reshape(kernel, merged), axes[0], lambda q: tf.reshape(q, shape)
+
+
+def _num_channels(shape, out_axes):
+    if not out_axes:
+        return ()
+    return (math.prod(int(shape[a]) for a in out_axes),)
 
 
 @keras.saving.register_keras_serializable(package="keras_mp")
@@ -158,15 +157,19 @@ class QuantizeWrapper(keras.layers.Wrapper):
     """Fake-quantizes a layer's inputs and weights the way TensorRT wants.
 
     Weights: per-channel (or per-tensor) symmetric, narrow range
-    [-127, 127], ranges `max|w|` recomputed from the weights at each
+    [-127, 127], over the weight's output-channel axes (their product for
+    a depthwise kernel), ranges `max|w|` recomputed from the weights at each
     training step and stored, so an export reads constants. Inputs: one
-    `QuantizeActivation` per input the layer type's spec names.
+    `QuantizeActivation` per input the layer type's table row names. The
+    wrapped layer runs with the fake-quantized weights swapped in through a
+    `keras.StatelessScope`.
 
     Args:
-        layer: `keras.layers.Layer` of a type in `keras_mp.quantization.config.LAYER_SPECS`.
+        layer: `keras.layers.Layer` of a quantizable type of
+            `keras_mp.layer_table` (`layer_table.quantizable_names()`).
         config: `QuantizeConfig`. Defaults to `QuantizeConfig()`.
         input_indices: list of int. Which inputs get a Q/DQ; defaults to the
-            spec (all inputs of weighted layers and Concatenate, none for
+            table row (all inputs of weighted layers and Concatenate, none for
             pooling). `quantize_apply` resolves the residual-Add rule here.
         **kwargs: Base layer arguments.
 
@@ -179,13 +182,13 @@ class QuantizeWrapper(keras.layers.Wrapper):
     """
 
     def __init__(self, layer, config=None, input_indices=None, **kwargs):
-        spec = layer_spec(layer)
-        if spec is None:
+        row = quantizable_row(layer)
+        if row is None:
+            supported = ", ".join(layer_table.quantizable_names())
             raise ValueError(
                 f"Layer {layer.name!r} of type {type(layer).__name__} cannot "
-                "be quantized. Supported types: "
-                f"{', '.join(supported_layer_names())}. Leave it out of the "
-                "selection or give it `QuantizeConfig(skip=True)`."
+                f"be quantized. Supported types: {supported}. Leave it out "
+                "of the selection or give it `QuantizeConfig(skip=True)`."
             )
         kwargs.setdefault("dtype", layer.dtype_policy)
         kwargs.setdefault("name", f"quant_{layer.name}")
@@ -193,13 +196,13 @@ class QuantizeWrapper(keras.layers.Wrapper):
         if isinstance(config, dict):
             config = QuantizeConfig.from_config(config)
         self.config = config or QuantizeConfig()
-        self.spec = spec
+        self.row = row
         self.input_indices = input_indices
         self.input_quantizers = []
         self._weights_enabled = True
 
     def _resolve_indices(self, input_shape):
-        placement = self.spec.inputs
+        placement = self.row.inputs
         if self.config.quantize_inputs is not None:
             placement = ALL_INPUTS if self.config.quantize_inputs else NO_INPUTS
         if placement != ALL_INPUTS:
@@ -225,30 +228,30 @@ class QuantizeWrapper(keras.layers.Wrapper):
         for q in self.input_quantizers:
             q.build(())
         self.weight_ranges = []
-        for attr, axis in self.spec.weights:
-            kernel = getattr(self.layer, attr)
-            axis = axis if self.config.per_channel else None
+        for weight in self.row.weights:
+            kernel = getattr(self.layer, weight.attr)
+            axes = weight.out_axes if self.config.per_channel else ()
             amax = self.add_weight(
-                name=f"{attr}_amax",
-                shape=_num_channels(kernel.shape, axis),
+                name=f"{weight.attr}_amax",
+                shape=_num_channels(kernel.shape, axes),
                 initializer="zeros",
                 dtype="float32",
                 trainable=False,
                 aggregation="only_first_replica",
             )
-            self.weight_ranges.append((attr, axis, amax))
+            self.weight_ranges.append((weight.attr, axes, amax))
         self.built = True
 
     def update_weight_ranges(self):
         """Sets each weight range to the weights' per-channel `max|w|`."""
-        for attr, axis, amax in self.weight_ranges:
-            amax.assign(self._weight_amax(getattr(self.layer, attr), axis))
+        for attr, axes, amax in self.weight_ranges:
+            amax.assign(self._weight_amax(getattr(self.layer, attr), axes))
 
-    def _weight_amax(self, kernel, axis):
-        view, view_axis, _ = _kernel_view(kernel, axis)
+    def _weight_amax(self, kernel, axes):
+        view, axis, _ = _channel_view(kernel, axes)
         if axis is None:
             return tf.reduce_max(tf.abs(tf.cast(view, tf.float32)))
-        return channel_amax(view, view_axis)
+        return channel_amax(view, axis)
 
     @property
     def enabled(self):
@@ -262,19 +265,17 @@ class QuantizeWrapper(keras.layers.Wrapper):
 
     def _quantized_weights(self, training):
         mapping = []
-        for attr, axis, amax_var in self.weight_ranges:
+        for attr, axes, amax_var in self.weight_ranges:
             kernel = getattr(self.layer, attr)
             amax = amax_var
             if training:
-                amax = self._weight_amax(kernel, axis)
+                amax = self._weight_amax(kernel, axes)
                 amax_var.assign(amax)
-            view, view_axis, back = _kernel_view(
-                tf.convert_to_tensor(kernel), axis
-            )
+            view, axis, back = _channel_view(tf.convert_to_tensor(kernel), axes)
             q = fake_quant(
                 view,
                 amax,
-                axis=view_axis if axis is not None else None,
+                axis=axis,
                 narrow_range=True,
                 num_bits=self.config.num_bits,
             )
@@ -309,32 +310,32 @@ class QuantizeWrapper(keras.layers.Wrapper):
         return config
 
 
-def supported_layer_names():
-    from keras_mp.quantization.config import LAYER_SPECS
-
-    return sorted(cls.__name__ for cls in LAYER_SPECS)
-
-
 def iter_quantize_layers(model):
-    """Yields every QuantizeWrapper / QuantizeActivation in `model`, nested
-    models included (activation layers inside wrappers are not repeated)."""
-    for layer in model.layers:
-        if isinstance(layer, (QuantizeWrapper, QuantizeActivation)):
+    """Yields every QuantizeWrapper / QuantizeActivation in `model`, at any
+    depth (the activation quantizers inside wrappers are not repeated)."""
+    stop = (QuantizeWrapper, QuantizeActivation)
+    for layer in _models.walk_layers(model, stop_at=stop):
+        if isinstance(layer, stop):
             yield layer
-        elif isinstance(layer, keras.Model):
-            yield from iter_quantize_layers(layer)
 
 
 def set_quantization_enabled(model, enabled):
     """Turns every fake-quant in `model` on or off (off: float outputs).
 
     Resets the model's compiled functions so `predict`/`fit` retrace.
-    """
-    from keras_mp.mixed_precision.policy import _check_model
 
-    _check_model(model)
+    Args:
+        model: `keras.Model`, quantized (e.g. by `keras_mp.quantize_model`).
+        enabled: bool. False runs the float model.
+
+    Raises:
+        TypeError: `model` is not a Keras 3 model.
+
+    Example:
+
+    >>> keras_mp.set_quantization_enabled(qmodel, False)  # float outputs
+    """
+    _models.check_model(model, "set_quantization_enabled")
     for layer in iter_quantize_layers(model):
         layer.enabled = bool(enabled)
-    for name in ("train_function", "test_function", "predict_function"):
-        if hasattr(model, name):
-            setattr(model, name, None)
+    _models.reset_compiled_functions(model)

@@ -1,15 +1,9 @@
 """Fake-quant math: symmetric signed INT8, per-tensor or per-channel, STE.
 
-The forward pass is TensorFlow's `QuantizeAndDequantizeV3` with the range
-given (`-amax`, `amax`): tf2onnx turns it into a QuantizeLinear /
-DequantizeLinear pair with a constant scale `amax / 127` and an INT8 zero
-point of 0, which is what TensorRT builds as INT8. Its rounding (half to
-even) and saturation match ONNX QuantizeLinear. DESIGN.md explains why not
-the V2/V4 op (no per-channel with a given range, no XLA gradient).
-
-Activations use the full range [-128, 127] (TF clamps narrow-range at -127
-while ONNX saturates at -128, so narrow range would break parity); weights
-use the narrow range [-127, 127], as TensorRT expects.
+Built on TensorFlow's `QuantizeAndDequantizeV3` with a given range, which
+tf2onnx exports as a QuantizeLinear/DequantizeLinear pair with a constant
+scale. Why this op, and why full range for activations: see
+`docs/quantization.md` ("How the fake quantization is built").
 """
 
 import tensorflow as tf

@@ -6,9 +6,8 @@ from keras_mp.sparsity.masks import (
     SparsityMask,
     is_2_4_sparse,
     magnitude_mask,
-    sparse_layers,
-    strip_sparsity,
 )
+from keras_mp.sparsity.model import sparse_layers, strip_sparsity
 from keras_mp.sparsity.permutation import (
     permute_for_sparsity,
     search_permutation,

@@ -4,15 +4,18 @@ import warnings
 
 import keras
 
+from keras_mp import _models
 from keras_mp.sparsity.masks import (
     SCHEDULES,
     SparsityMask,
-    check_eligible,
     check_m_n,
-    input_channel_axis,
     pruning_mask,
-    select_layers,
     value,
+)
+from keras_mp.sparsity.model import (
+    check_eligible,
+    prunable_kernel,
+    select_layers,
 )
 from keras_mp.sparsity.report import sparsity_report
 
@@ -23,18 +26,11 @@ class StructuredSparsity(keras.callbacks.Callback):
 
     Masks keep the `m` largest |w| of every group of `n` consecutive input
     channels (ties to the lower index). Each pruned kernel gets a
-    `SparsityMask` constraint whose mask is a non-trainable variable; the
-    optimizer applies it after every update inside the compiled train step,
-    so the pattern holds on every step, with `steps_per_execution > 1`,
-    under `jit_compile=True` and with `tf.distribute` strategies. The masks
-    are saved with the model (`.keras`, `save_weights`, `BackupAndRestore`)
-    and stay on after `fit`: call `strip_sparsity` to export.
-
-    The masks are created when `fit` starts, before any other callback's
-    `on_train_begin` (so `BackupAndRestore` restores them), and are filled
-    at the first batch where the schedule asks for it. A new mask is
-    computed only at callback points: with `steps_per_execution=k`, a
-    schedule step lands on the next multiple of `k`.
+    `SparsityMask` constraint, applied by the optimizer after every update
+    inside the compiled train step (also with `steps_per_execution > 1`,
+    XLA and `tf.distribute`). The masks are saved with the model and stay
+    on after `fit`: call `strip_sparsity` to export. How and when the masks
+    are made: `docs/sparsity.md`.
 
     Layers that cannot be pruned are skipped and listed in `self.report`
     (a `SparsityReport`): input channels not a multiple of `n` (this
@@ -159,18 +155,22 @@ class StructuredSparsity(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         if not self._targets:
             self._attach()
+            # `fit` traced its train step before this call: trace it again
+            # if `_attach` dropped it.
+            self.model.make_train_function()
 
     def _attach(self):
         model = self.model
         chosen = select_layers(model, self.layers)
         self._targets, self._done, added = [], False, False
-        specs = [
+        verdicts = [
             check_eligible(x, self.m, self.n, self.pad, self.skip_unaligned)
             for x in chosen
         ]
-        if all(isinstance(spec, str) for spec in specs):
+        if not any(verdict.ok for verdict in verdicts):
             reasons = "; ".join(
-                f"{layer.name}: {spec}" for layer, spec in zip(chosen, specs)
+                f"{layer.name}: {verdict.reason}"
+                for layer, verdict in zip(chosen, verdicts)
             )
             raise ValueError(
                 f"StructuredSparsity found no layer of model '{model.name}' "
@@ -178,33 +178,33 @@ class StructuredSparsity(keras.callbacks.Callback):
                 "train it dense. "
                 + (f"Skipped: {reasons}." if chosen else "It has no kernel.")
             )
-        for layer, spec in zip(chosen, specs):
-            if isinstance(spec, str):
-                self._warn_if_masked(layer, spec)
+        for layer, verdict in zip(chosen, verdicts):
+            if not verdict.ok:
+                self._warn_if_masked(layer, verdict.reason)
                 continue
-            kernel_attr, constraint_attr, axis = spec
-            kernel = getattr(layer, kernel_attr)
+            weight = verdict.value
+            kernel = getattr(layer, weight.attr)
             constraint = kernel.constraint
-            if not self._reusable(constraint, axis):
+            if not self._reusable(constraint, weight.in_axis):
                 if isinstance(constraint, SparsityMask):
                     constraint = constraint.constraint
                 with model.distribute_strategy.scope():
                     constraint = SparsityMask(
                         kernel.shape,
-                        axis,
+                        weight.in_axis,
                         self.m,
                         self.n,
                         self.pad,
                         constraint=constraint,
                     )
                 kernel.constraint = constraint
-                setattr(layer, constraint_attr, constraint)
+                setattr(layer, weight.constraint, constraint)
                 added = True
             self._targets.append((kernel, constraint))
-        if added and getattr(model, "train_function", None) is not None:
+        if added:
             # A train step traced before the constraints existed (an earlier
-            # `fit`) would not apply them: trace it again.
-            model.make_train_function(force=True)
+            # `fit`) would not apply them: `fit` traces it again.
+            _models.reset_compiled_functions(model)
         if self.verbose:
             skipped = [r for r in self.report.rows if not r.eligible]
             for row in skipped:
@@ -212,9 +212,7 @@ class StructuredSparsity(keras.callbacks.Callback):
 
     @staticmethod
     def _warn_if_masked(layer, reason):
-        full = input_channel_axis(layer)
-        kernel = None if isinstance(full, str) else getattr(layer, full[0])
-        if pruning_mask(kernel) is not None:
+        if pruning_mask(prunable_kernel(layer)) is not None:
             warnings.warn(
                 f"StructuredSparsity: layer '{layer.name}' is skipped here "
                 f"({reason}) but still carries the SparsityMask of an "

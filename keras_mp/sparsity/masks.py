@@ -1,36 +1,12 @@
-"""2:4 structured sparsity: magnitude masks, the `model.fit` callback, strip.
-
-TensorRT's sparse Tensor Cores run a layer at up to twice the math rate when,
-in every group of `n=4` consecutive input channels, at most `m=2` weights are
-non-zero (for each output channel and spatial position). The recipe that
-keeps accuracy is: train dense, prune to 2:4 by magnitude, retrain with the
-masks fixed, then `strip_sparsity` for export.
-
-Where the mask lives. Each pruned kernel gets a `SparsityMask` constraint:
-a Keras constraint that owns the mask as a non-trainable variable and
-multiplies the kernel by it. Keras optimizers apply `variable.constraint`
-right after every update inside `optimizer.apply`, i.e. inside the compiled
-train step, so the mask holds on every step, with `steps_per_execution > 1`
-and under XLA. The constraint is stored in the layer config
-(`kernel_constraint`), so `keras.saving.load_model` recreates the mask
-before the weights load, and its variables are saved beside the layer's
-(`layers/<name>/kernel_constraint/vars`), so `.keras` files and
-`BackupAndRestore` checkpoints carry the masks. The kernel itself stays an
-ordinary variable holding the masked values, which a quantize wrapper can
-read and fake-quantize like any other kernel.
-"""
-
-import math
+"""m:n magnitude masks and the `SparsityMask` kernel constraint that holds
+one. Where the mask lives and why: `docs/sparsity.md`."""
 
 import keras
 import numpy as np
-from keras.src.models.functional import Functional
-from keras.src.saving.keras_saveable import KerasSaveable
 
-from keras_mp.selection import layer_matcher
+from keras_mp import _keras
 
 SCHEDULES = ("one_shot", "gradual")
-_REGISTERED_NAME = "keras_mp>SparsityMask"
 
 
 def check_m_n(m, n):
@@ -84,7 +60,8 @@ def magnitude_mask(kernel, axis, m=2, n=4, pad=False):
 
     Args:
         kernel: array-like. A layer kernel.
-        axis: int. The input-channel axis (see `input_channel_axis`).
+        axis: int. The input-channel axis (`in_axis` of the layer's
+            `keras_mp.layer_table.prunable_weight`).
         m: int. Weights kept per group. Defaults to 2.
         n: int. Group size. Defaults to 4.
         pad: bool. If True, a channel count that is not a multiple of `n` is
@@ -148,88 +125,6 @@ def is_2_4_sparse(kernel, axis, m=2, n=4, pad=False):
     return bool(np.all(np.sum(groups > 0, axis=-1) <= m))
 
 
-TRANSPOSED_CONVS = (
-    keras.layers.Conv1DTranspose,
-    keras.layers.Conv2DTranspose,
-    keras.layers.Conv3DTranspose,
-)
-
-
-def _einsum_specs(equation):
-    """`(input spec, kernel spec, output spec)` of an EinsumDense equation."""
-    inputs, output = equation.replace("...", "").split("->")
-    x_spec, kernel_spec = inputs.split(",")
-    return x_spec, kernel_spec, output
-
-
-def _einsum_axis(equation):
-    x_spec, kernel_spec, output = _einsum_specs(equation)
-    contracted = [c for c in kernel_spec if c in x_spec and c not in output]
-    if not contracted:
-        return None
-    return kernel_spec.index(contracted[-1])
-
-
-def input_channel_axis(layer):
-    """`(kernel_attr, constraint_attr, axis)` of a prunable layer.
-
-    Axes: Dense `(in, out)`: 0. ConvND and the pointwise kernel of
-    SeparableConvND `(..., in, out)`: -2. ConvNDTranspose `(..., out, in)`:
-    -1, the layer's input channels, which are the reduction (GEMM K)
-    dimension of the deconvolution and axis 0 of the ONNX ConvTranspose
-    weight `(in, out, ...)`. EinsumDense: the last kernel axis that the
-    equation contracts with the input.
-
-    Args:
-        layer: a Keras layer.
-
-    Returns:
-        A tuple, or a str saying why the layer cannot be pruned.
-    """
-    layers = keras.layers
-    if isinstance(layer, (layers.DepthwiseConv1D, layers.DepthwiseConv2D)):
-        return "depthwise conv: one input channel per output, no channel group"
-    if isinstance(layer, layers.Dense):
-        return "kernel", "kernel_constraint", 0
-    if isinstance(layer, (layers.SeparableConv1D, layers.SeparableConv2D)):
-        return "pointwise_kernel", "pointwise_constraint", -2
-    if isinstance(layer, TRANSPOSED_CONVS):
-        return "kernel", "kernel_constraint", -1
-    if isinstance(layer, (layers.Conv1D, layers.Conv2D, layers.Conv3D)):
-        return "kernel", "kernel_constraint", -2
-    if isinstance(layer, layers.EinsumDense):
-        axis = _einsum_axis(layer.equation)
-        if axis is None:
-            return (
-                f"EinsumDense equation '{layer.equation}' contracts no kernel "
-                "axis with the input"
-            )
-        return "kernel", "kernel_constraint", axis
-    return f"{type(layer).__name__} is not a supported layer type"
-
-
-# NVIDIA ASP (apex.contrib.sparsity) prunes a weight only when its output
-# channels are a multiple of 8 and its input channels a multiple of 16, the
-# shapes sparse Tensor Core kernels take; TensorRT runs other layers dense.
-ALIGNED_OUTPUT_CHANNELS = 8
-ALIGNED_INPUT_CHANNELS = 16
-
-
-def output_channels(layer, kernel):
-    """Output channels (GEMM N) of a prunable kernel: for EinsumDense, the
-    kernel axes that reach the output and are not in the input."""
-    if isinstance(layer, TRANSPOSED_CONVS):
-        return kernel.shape[-2]
-    if isinstance(layer, keras.layers.EinsumDense):
-        x_spec, kernel_spec, output = _einsum_specs(layer.equation)
-        return math.prod(
-            size
-            for c, size in zip(kernel_spec, kernel.shape)
-            if c in output and c not in x_spec
-        )
-    return kernel.shape[-1]
-
-
 def pruning_mask(kernel):
     """The `SparsityMask` of `kernel` when it has pruned it, else None."""
     constraint = getattr(kernel, "constraint", None)
@@ -238,41 +133,14 @@ def pruning_mask(kernel):
     return None
 
 
-def check_eligible(layer, m=2, n=4, pad=False, skip_unaligned=False):
-    """The prunable spec of a built layer, or the reason it is skipped."""
-    spec = input_channel_axis(layer)
-    if isinstance(spec, str):
-        return spec
-    kernel = getattr(layer, spec[0], None)
-    if kernel is None:
-        return "layer is not built (call the model on data first)"
-    channels = kernel.shape[spec[2]]
-    outputs = output_channels(layer, kernel)
-    # Checked first: padding cannot make a layer aligned (pad is moot here).
-    if skip_unaligned and (
-        outputs % ALIGNED_OUTPUT_CHANNELS or channels % ALIGNED_INPUT_CHANNELS
-    ):
-        return (
-            f"{channels} input / {outputs} output channels: sparse Tensor "
-            f"Cores want multiples of {ALIGNED_INPUT_CHANNELS} / "
-            f"{ALIGNED_OUTPUT_CHANNELS} (skip_unaligned=True, NVIDIA ASP's "
-            "rule; TensorRT would run this layer dense)"
-        )
-    if channels % n and not pad:
-        return (
-            f"{channels} input channels, not a multiple of {n} "
-            "(pass pad=True to zero-pad)"
-        )
-    return spec
-
-
 @keras.saving.register_keras_serializable(package="keras_mp")
-class SparsityMask(keras.constraints.Constraint, KerasSaveable):
+class SparsityMask(keras.constraints.Constraint, _keras.SaveableState):
     """Kernel constraint that multiplies the kernel by an m:n mask.
 
-    The mask is a non-trainable variable owned by the constraint. It starts
-    all ones (dense); `StructuredSparsity` fills it. An existing kernel
-    constraint is kept and applied first.
+    The mask is a non-trainable variable owned by the constraint, saved
+    with the layer's weights. It starts all ones (dense);
+    `StructuredSparsity` fills it. An existing kernel constraint is kept
+    and applied first.
 
     Args:
         shape: tuple of int. The kernel shape.
@@ -282,6 +150,15 @@ class SparsityMask(keras.constraints.Constraint, KerasSaveable):
         pad: bool. Zero-pad the channel axis to a multiple of `n`.
             Defaults to False.
         constraint: the kernel's previous constraint, or None.
+
+    Raises:
+        ValueError: bad `m`/`n`.
+
+    Example:
+
+    >>> mask = SparsityMask((8, 4), axis=0)
+    >>> mask.pruned
+    False
     """
 
     def __init__(self, shape, axis, m=2, n=4, pad=False, constraint=None):
@@ -335,12 +212,6 @@ class SparsityMask(keras.constraints.Constraint, KerasSaveable):
         self.kept_magnitude.assign(value(self.kept_magnitude) * ratio)
         kernel.assign(w * mask)
 
-    # The weights file walks KerasSaveable attributes of a layer; this makes
-    # the saver visit `layer.kernel_constraint` and store the mask with it.
-    # `_obj_type` picks the attribute skip-list; "Loss" is the plain one.
-    def _obj_type(self):
-        return "Loss"
-
     def _state(self):
         return [self.mask, self.kept, self.kept_magnitude]
 
@@ -363,120 +234,3 @@ class SparsityMask(keras.constraints.Constraint, KerasSaveable):
             "pad": self.pad,
             "constraint": keras.constraints.serialize(self.constraint),
         }
-
-
-def check_model(model, caller):
-    """Raises a TypeError naming `caller` unless `model` is a keras.Model."""
-    if not isinstance(model, keras.Model):
-        raise TypeError(
-            f"`{caller}` expects a Keras 3 `keras.Model`. Received: "
-            f"{type(model).__module__}.{type(model).__name__}. A tf_keras "
-            "(Keras 2) model must be rebuilt with `import keras` (Keras 3)."
-        )
-
-
-def weighted_layers(model):
-    """The layers of `model` that are prunable or hold a kernel, in order.
-
-    Nested models and `keras.layers.Wrapper`s are entered; each layer is
-    listed once.
-    """
-    seen, out = set(), []
-    # Keras' own recursive walk; it also enters keras.layers.Wrapper.layer.
-    for layer in model._flatten_layers(include_self=False, recursive=True):
-        if id(layer) in seen or isinstance(layer, keras.Model):
-            continue
-        seen.add(id(layer))
-        spec = input_channel_axis(layer)
-        if not isinstance(spec, str) or hasattr(layer, "kernel"):
-            out.append(layer)
-    return out
-
-
-def select_layers(model, layers=None):
-    """The weighted layers of `model` matched by the `layers` selection.
-
-    Raises:
-        ValueError: the selection matches no layer; lists the names.
-    """
-    candidates = weighted_layers(model)
-    chosen = [layer for layer in candidates if layer_matcher(layers)(layer)]
-    if layers is not None and not chosen:
-        names = ", ".join(layer.name for layer in candidates) or "(none)"
-        raise ValueError(
-            f"`layers={layers!r}` matches no weighted layer of model "
-            f"'{model.name}'. Its weighted layers are: {names}."
-        )
-    return chosen
-
-
-def _strip_config(config):
-    if isinstance(config, dict):
-        if config.get("registered_name") == _REGISTERED_NAME:
-            return config["config"]["constraint"]
-        return {k: _strip_config(v) for k, v in config.items()}
-    if isinstance(config, list):
-        return [_strip_config(v) for v in config]
-    return config
-
-
-def strip_sparsity(model):
-    """Returns a plain Keras copy of `model` with the 2:4 zeros baked in.
-
-    The copy has no `SparsityMask` constraints (a previous kernel constraint
-    is restored), its kernels hold the masked values, and it computes the
-    same outputs. It is not compiled.
-
-    Args:
-        model: a Sequential or Functional `keras.Model`.
-
-    Returns:
-        A new `keras.Model`.
-
-    Raises:
-        TypeError: `model` is not a Keras 3 model, or is subclassed.
-
-    Example:
-
-    >>> deploy = strip_sparsity(model)  # doctest: +SKIP
-    >>> deploy.export("model", format="onnx")  # doctest: +SKIP
-    """
-    check_model(model, "strip_sparsity")
-    if not isinstance(model, (keras.Sequential, Functional)):
-        raise TypeError(
-            f"`strip_sparsity` copies a Sequential or Functional model; "
-            f"model {model.name!r} is a subclassed {type(model).__name__}, "
-            "whose graph is Python code that cannot be copied. Its kernels "
-            "already hold the 2:4 zeros; to export it without the "
-            "SparsityMask constraints, rebuild it with the Functional API "
-            "(keras.Model(inputs, outputs)) and copy the weights over."
-        )
-    clone = keras.models.clone_model(
-        model,
-        clone_function=lambda layer: layer.__class__.from_config(
-            _strip_config(layer.get_config())
-        ),
-        recursive=True,
-    )
-    values = []
-    for v in model.weights:
-        w = value(v)
-        if isinstance(getattr(v, "constraint", None), SparsityMask):
-            w = w * value(v.constraint.mask)
-        values.append(w)
-    clone.set_weights(values)
-    return clone
-
-
-def sparse_layers(model):
-    """`(layer, kernel_variable, SparsityMask)` for every masked kernel."""
-    out = []
-    for layer in weighted_layers(model):
-        spec = input_channel_axis(layer)
-        if isinstance(spec, str):
-            continue
-        kernel = getattr(layer, spec[0], None)
-        constraint = getattr(kernel, "constraint", None)
-        if isinstance(constraint, SparsityMask):
-            out.append((layer, kernel, constraint))
-    return out

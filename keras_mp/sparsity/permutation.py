@@ -1,33 +1,23 @@
-"""Channel permutations that let m:n pruning keep more weight magnitude.
-
-2:4 pruning keeps the 2 largest |w| of each group of 4 consecutive input
-channels, so which channels share a group decides what is lost. Reordering
-a layer's input channels, and the producing layer's output channels to
-match, leaves the network function unchanged but can put small weights
-together and keep more magnitude (Pool & Yu, "Channel Permutations for N:M
-Sparsity", NeurIPS 2021; NVIDIA ASP). `search_permutation` finds such an
-order for one kernel with a greedy channel-swap search; `permute_for_sparsity`
-applies the orders to a model before pruning.
-"""
+"""Channel permutations that let m:n pruning keep more weight magnitude:
+`search_permutation` for one kernel, `permute_for_sparsity` for a model.
+The method: `docs/sparsity.md`."""
 
 import dataclasses
 import warnings
 
 import keras
 import numpy as np
-from keras.src.models.functional import Functional
 
+from keras_mp import _keras, _models, layer_table
+from keras_mp.layer_table import CHANNELWISE, CONSUMER, GEMM, Verdict
 from keras_mp.selection import layer_matcher
 from keras_mp.sparsity.masks import (
-    TRANSPOSED_CONVS,
     SparsityMask,
     check_axis,
-    check_eligible,
     check_m_n,
-    check_model,
-    input_channel_axis,
     value,
 )
+from keras_mp.sparsity.model import check_eligible
 
 # Entries of the temporary (rows, channels, columns) array per chunk.
 _CHUNK_ELEMENTS = 1 << 22
@@ -81,13 +71,12 @@ def search_permutation(kernel, axis, m=2, n=4, max_swaps=None):
     groups that most increases the |w| that m:n magnitude pruning keeps,
     until no swap helps. Deterministic. It keeps a table of every swap's
     gain and updates the rows a swap touches, so the time grows about as
-    `channels * kernel.size`: 0.1 s for a 64-to-64-channel 3x3 conv, some
-    seconds for a 256-channel one. On random and trained kernels tried
-    here, restarting it from random orders gained at most 0.2 points more.
+    `channels * kernel.size`.
 
     Args:
         kernel: array-like. A layer kernel.
-        axis: int. Its input-channel axis (see `input_channel_axis`).
+        axis: int. Its input-channel axis (`in_axis` of the layer's
+            `keras_mp.layer_table.prunable_weight`).
         m: int. Weights kept per group. Defaults to 2.
         n: int. Group size. Defaults to 4.
         max_swaps: int. Stop after this many swaps. Defaults to None: run
@@ -165,30 +154,6 @@ def search_permutation(kernel, axis, m=2, n=4, max_swaps=None):
     )
 
 
-# Layers whose output channel c depends only on input channel c, with no
-# weights: a permutation of their input channels permutes their output.
-_CHANNELWISE = (
-    keras.layers.Activation,
-    keras.layers.ReLU,
-    keras.layers.LeakyReLU,
-    keras.layers.ELU,
-    keras.layers.Dropout,
-    keras.layers.MaxPooling1D,
-    keras.layers.MaxPooling2D,
-    keras.layers.MaxPooling3D,
-    keras.layers.AveragePooling1D,
-    keras.layers.AveragePooling2D,
-    keras.layers.AveragePooling3D,
-    keras.layers.GlobalAveragePooling1D,
-    keras.layers.GlobalAveragePooling2D,
-    keras.layers.GlobalAveragePooling3D,
-    keras.layers.GlobalMaxPooling1D,
-    keras.layers.GlobalMaxPooling2D,
-    keras.layers.GlobalMaxPooling3D,
-)
-_CONVS = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D)
-
-
 @dataclasses.dataclass
 class LayerPermutation:
     """One row of what `permute_for_sparsity` did.
@@ -221,10 +186,16 @@ def _channels_last(layer):
     return getattr(layer, "data_format", "channels_last") == "channels_last"
 
 
+def _role(layer):
+    """`layer`'s channel-permutation role in the layer table, or ""."""
+    row = layer_table.row_for(layer)
+    return row.permute if row is not None else ""
+
+
 def _plain(layer):
     """A Dense or ConvND layer whose kernel and channels can be reordered."""
     return (
-        isinstance(layer, (keras.layers.Dense, *_CONVS))
+        _role(layer) == GEMM
         and getattr(layer, "groups", 1) == 1
         and _channels_last(layer)
         and not getattr(layer, "lora_enabled", False)
@@ -232,30 +203,28 @@ def _plain(layer):
 
 
 def _channelwise(layer):
+    if _role(layer) != CHANNELWISE:
+        return False
     if isinstance(layer, keras.layers.BatchNormalization):
         return layer.axis in (-1, len(layer.input.shape) - 1)
-    return isinstance(layer, _CHANNELWISE) and _channels_last(layer)
+    return _channels_last(layer)
 
 
 def _graph(model):
     """`(graph, nodes, consumers, outputs)` of a Functional graph."""
-    if not isinstance(model, (keras.Sequential, Functional)):
-        raise TypeError(
-            f"`permute_for_sparsity` follows the layer graph of a Sequential "
-            f"or Functional model; model {model.name!r} is a subclassed "
-            f"{type(model).__name__}, whose graph is Python code. Rebuild "
-            "it with the Functional API (keras.Model(inputs, outputs))."
+    _models.check_graph_model(
+        model,
+        "permute_for_sparsity",
+        "Rebuild it with the Functional API (keras.Model(inputs, outputs)).",
+    )
+    graph = _keras.functional_graph(model)
+    if graph is None:
+        raise ValueError(
+            f"Sequential model {model.name!r} has no known input shape: "
+            "start it with keras.Input(shape) so its graph exists."
         )
-    graph = model
-    if isinstance(model, keras.Sequential):
-        graph = getattr(model, "_functional", None)
-        if graph is None:
-            raise ValueError(
-                f"Sequential model {model.name!r} has no known input shape: "
-                "start it with keras.Input(shape) so its graph exists."
-            )
     nodes, consumers = {}, {}
-    for level in graph._nodes_by_depth.values():
+    for level in _keras.nodes_by_depth(graph):
         for node in level:
             nodes.setdefault(id(node.operation), []).append(node)
             for tensor in node.input_tensors:
@@ -265,36 +234,39 @@ def _graph(model):
 
 
 def _chain(node, nodes, consumers, outputs):
-    """`(producer, between)` feeding `node`'s layer, or why there is none."""
+    """`Verdict` of `(producer, between)` feeding `node`'s layer."""
     between = []
     while True:
         if len(node.input_tensors) != 1:
-            return f"{node.operation.name} has several inputs"
+            return Verdict(reason=f"{node.operation.name} has several inputs")
         tensor = node.input_tensors[0]
-        layer, index, _ = tensor._keras_history
+        layer, index, _ = _keras.keras_history(tensor)
         readers = consumers.get(id(tensor), [])
         if id(tensor) in outputs or len(readers) != 1:
             others = sorted({r.name for r in readers} - {node.operation.name})
-            return f"the output of {layer.name} also goes to " + (
-                "the model outputs"
-                if id(tensor) in outputs
-                else ", ".join(others)
+            return Verdict(
+                reason=f"the output of {layer.name} also goes to "
+                + (
+                    "the model outputs"
+                    if id(tensor) in outputs
+                    else ", ".join(others)
+                )
             )
         if isinstance(layer, keras.layers.InputLayer):
-            return "its input is a model input"
+            return Verdict(reason="its input is a model input")
         if len(nodes.get(id(layer), ())) != 1:
-            return f"{layer.name} is called more than once"
+            return Verdict(reason=f"{layer.name} is called more than once")
         if _channelwise(layer):
             between.append(layer)
-            node = layer._inbound_nodes[index]
+            node = _keras.inbound_nodes(layer)[index]
             continue
         if not _plain(layer):
-            return (
-                f"its input comes from {layer.name} "
+            return Verdict(
+                reason=f"its input comes from {layer.name} "
                 f"({type(layer).__name__}), not through channel-wise layers "
                 "from a Dense or ConvND layer"
             )
-        return layer, between[::-1]
+        return Verdict((layer, between[::-1]))
 
 
 def _take(variable, perm, axis):
@@ -305,17 +277,17 @@ def _take(variable, perm, axis):
         constraint.mask.assign(np.take(value(constraint.mask), perm, axis))
 
 
-def _producer_chain(layer, spec, nodes, consumers, outputs):
-    """`(producer, between)` for a layer's inputs, or why there is none."""
-    transpose = isinstance(layer, TRANSPOSED_CONVS) and _channels_last(layer)
+def _producer_chain(layer, nodes, consumers, outputs):
+    """`Verdict` of `(producer, between)` for a layer's inputs."""
+    transpose = _role(layer) == CONSUMER and _channels_last(layer)
     if not (_plain(layer) or transpose):
-        return (
-            f"permuting the inputs of a {type(layer).__name__} is not "
+        return Verdict(
+            reason=f"permuting the inputs of a {type(layer).__name__} is not "
             "supported (Dense, ConvND and ConvNDTranspose without groups, "
             "LoRA or channels_first are)"
         )
     if len(nodes[id(layer)]) != 1:
-        return f"{layer.name} is called more than once"
+        return Verdict(reason=f"{layer.name} is called more than once")
     return _chain(nodes[id(layer)][0], nodes, consumers, outputs)
 
 
@@ -363,7 +335,7 @@ def permute_for_sparsity(model, m=2, n=4, layers=None, max_swaps=None):
     >>> sparsity = keras_mp.StructuredSparsity()  # doctest: +SKIP
     >>> model.fit(x, y, callbacks=[sparsity])  # doctest: +SKIP
     """
-    check_model(model, "permute_for_sparsity")
+    _models.check_model(model, "permute_for_sparsity")
     check_m_n(m, n)
     graph, nodes, consumers, outputs = _graph(model)
     optimizer = getattr(model, "optimizer", None)
@@ -383,32 +355,32 @@ def permute_for_sparsity(model, m=2, n=4, layers=None, max_swaps=None):
     selected = layer_matcher(layers)
     rows = []
     for layer in graph.operations:
-        if not selected(layer) or isinstance(input_channel_axis(layer), str):
+        if not selected(layer) or not layer_table.prunable_weight(layer).ok:
             continue
         row = LayerPermutation(layer.name)
         rows.append(row)
-        spec = check_eligible(layer, m, n)
-        if isinstance(spec, str):
-            row.reason = spec
+        verdict = check_eligible(layer, m, n)
+        if not verdict.ok:
+            row.reason = verdict.reason
             continue
-        kernel = getattr(layer, spec[0])
+        axis = verdict.value.in_axis
+        kernel = getattr(layer, verdict.value.attr)
         constraint = getattr(kernel, "constraint", None)
-        if isinstance(constraint, SparsityMask):
-            if constraint.pruned:
-                raise ValueError(
-                    f"Layer {layer.name} is already pruned to "
-                    f"{constraint.m}:{constraint.n}; call "
-                    "permute_for_sparsity before StructuredSparsity prunes."
-                )
-        chain = _producer_chain(layer, spec, nodes, consumers, outputs)
-        if isinstance(chain, str):
-            row.reason = chain
-            found = search_permutation(value(kernel), spec[2], m, n, 0)
+        if isinstance(constraint, SparsityMask) and constraint.pruned:
+            raise ValueError(
+                f"Layer {layer.name} is already pruned to "
+                f"{constraint.m}:{constraint.n}; call "
+                "permute_for_sparsity before StructuredSparsity prunes."
+            )
+        chain = _producer_chain(layer, nodes, consumers, outputs)
+        if not chain.ok:
+            row.reason = chain.reason
+            found = search_permutation(value(kernel), axis, m, n, 0)
             row.kept_magnitude = found.kept_magnitude
             continue
-        found = search_permutation(value(kernel), spec[2], m, n, max_swaps)
+        found = search_permutation(value(kernel), axis, m, n, max_swaps)
         row.kept_magnitude = found.kept_magnitude
-        producer, between = chain
+        producer, between = chain.value
         row.producer = producer.name
         row.between = [b.name for b in between]
         row.kept_magnitude_permuted = found.kept_magnitude_permuted
@@ -416,7 +388,7 @@ def permute_for_sparsity(model, m=2, n=4, layers=None, max_swaps=None):
         if found.swaps == 0:
             continue
         perm = found.permutation
-        _take(kernel, perm, spec[2])
+        _take(kernel, perm, axis)
         _take(producer.kernel, perm, -1)
         if getattr(producer, "bias", None) is not None:
             _take(producer.bias, perm, 0)

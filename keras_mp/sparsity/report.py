@@ -4,18 +4,20 @@ import dataclasses
 
 import numpy as np
 
+from keras_mp import _models, layer_table
 from keras_mp._compat import optional_import
 from keras_mp.io import atomic_path
 from keras_mp.sparsity.masks import (
-    check_eligible,
     check_m_n,
-    check_model,
-    input_channel_axis,
     is_2_4_sparse,
     magnitude_mask,
     pruning_mask,
-    select_layers,
     value,
+)
+from keras_mp.sparsity.model import (
+    check_eligible,
+    prunable_kernel,
+    select_layers,
 )
 from keras_mp.sparsity.permutation import search_permutation
 
@@ -105,24 +107,20 @@ class SparsityReport:
 
 def _row(layer, m, n, pad, permutation, skip_unaligned):
     row = LayerSparsity(layer.name, type(layer).__name__)
-    spec = check_eligible(layer, m, n, pad, skip_unaligned)
-    if isinstance(spec, str):
-        row.reason = spec
-        full = input_channel_axis(layer)
-        if (
-            not isinstance(full, str)
-            and getattr(layer, full[0], None) is not None
-        ):
-            kernel = getattr(layer, full[0])
-            row.kernel_shape, row.axis = tuple(kernel.shape), full[2]
+    verdict = check_eligible(layer, m, n, pad, skip_unaligned)
+    if not verdict.ok:
+        row.reason = verdict.reason
+        kernel = prunable_kernel(layer)
+        if kernel is not None:
+            row.kernel_shape = tuple(kernel.shape)
+            row.axis = layer_table.prunable_weight(layer).value.in_axis
             if pruning_mask(kernel) is not None:
                 # Pruned earlier under other settings: say so.
-                w = value(kernel)
                 row.masked = True
-                row.fraction_zero = float(np.mean(w == 0))
+                row.fraction_zero = float(np.mean(value(kernel) == 0))
         return row
-    kernel_attr, _, axis = spec
-    kernel = getattr(layer, kernel_attr)
+    axis = verdict.value.in_axis
+    kernel = getattr(layer, verdict.value.attr)
     w = value(kernel)
     row.kernel_shape, row.axis, row.eligible = w.shape, axis, True
     mask = pruning_mask(kernel)
@@ -162,9 +160,8 @@ def sparsity_report(
             zero-padded. Defaults to False.
         permutation: bool. Also run `search_permutation` on every eligible,
             unpruned kernel and report the |w| share m:n would keep with the
-            channel order found (`kept_magnitude_permuted`). About 0.1 s
-            for the reference CNN; the time grows with channels times
-            kernel size. Defaults to False.
+            channel order found (`kept_magnitude_permuted`). The time
+            grows with channels times kernel size. Defaults to False.
         skip_unaligned: bool. Count layers that `StructuredSparsity(
             skip_unaligned=True)` leaves dense as not eligible. Defaults to
             False.
@@ -180,7 +177,7 @@ def sparsity_report(
 
     >>> print(sparsity_report(model))  # doctest: +SKIP
     """
-    check_model(model, "sparsity_report")
+    _models.check_model(model, "sparsity_report")
     check_m_n(m, n)
     rows = [
         _row(layer, m, n, pad, permutation, skip_unaligned)

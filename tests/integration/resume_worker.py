@@ -89,9 +89,7 @@ def sparse_qat(strategy, policy="mixed_float16", initial_scale=2.0**15):
             name="sparse_qat",
         )
         model = keras_mp.quantize_model(model)
-    keras_mp.calibrate(
-        model, x[:64], method="percentile", verbose=0
-    )
+    keras_mp.calibrate(model, x[:64], method="percentile", verbose=0)
     with strategy.scope():
         optimizer = keras_mp.LossScaleOptimizer(
             keras.optimizers.SGD(0.05, momentum=0.9),
@@ -239,7 +237,7 @@ def state(model, history=None):
         QuantizeWrapper,
         iter_quantize_layers,
     )
-    from keras_mp.sparsity.masks import sparse_layers
+    from keras_mp.sparsity.model import sparse_layers
 
     out = {}
     for i, v in enumerate(model.weights):

@@ -5,7 +5,8 @@ import sys
 
 import pytest
 
-BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "benchmarks")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+BENCH = os.path.join(ROOT, "benchmarks")
 sys.path.insert(0, BENCH)
 
 import bench_peers  # noqa: E402

@@ -22,13 +22,14 @@ import time
 import keras
 import numpy as np
 import pytest
-from tests.integration import resume_worker as rw
 import tensorflow as tf
 
 import keras_mp
 from keras_mp.muppet.model import fixed_point_layers, precision_state
 from keras_mp.quantization.layers import QuantizeWrapper, iter_quantize_layers
-from keras_mp.sparsity.masks import is_2_4_sparse, sparse_layers
+from keras_mp.sparsity.masks import is_2_4_sparse
+from keras_mp.sparsity.model import sparse_layers
+from tests.integration import resume_worker as rw
 
 WORKER = os.path.join(os.path.dirname(__file__), "resume_worker.py")
 

@@ -18,6 +18,7 @@ import time
 
 import numpy as np
 import pytest
+
 from tests.integration import resume_worker as rw
 
 WORKER = os.path.join(os.path.dirname(__file__), "resume_worker.py")

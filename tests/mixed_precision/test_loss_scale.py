@@ -155,20 +155,94 @@ def test_mirrored_strategy_matches_single_device(mirrored_strategy):
     assert results[0][1] > 0  # 2**30 overflows float16 at least once
 
 
-def test_bad_arguments_say_what_to_do():
-    inner = keras.optimizers.SGD()
-    wrapped = keras_mp.LossScaleOptimizer(inner)
-    with pytest.raises(ValueError, match="already a LossScaleOptimizer"):
-        keras_mp.LossScaleOptimizer(wrapped)
-    with pytest.raises(ValueError, match="already a LossScaleOptimizer"):
-        keras_mp.LossScaleOptimizer(
-            keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD())
-        )
-    with pytest.raises(TypeError, match="Keras 3 optimizer"):
-        keras_mp.LossScaleOptimizer("adam")
-    with pytest.raises(ValueError, match="min_scale=8.0, max_scale=2.0"):
-        keras_mp.LossScaleOptimizer(
-            keras.optimizers.SGD(), min_scale=8.0, max_scale=2.0
-        )
-    with pytest.raises(ValueError, match="initial_scale"):
-        keras_mp.LossScaleOptimizer(keras.optimizers.SGD(), initial_scale=0.5)
+def _tf_keras_optimizer():
+    # tf_keras is not installed here; only the type's module matters.
+    return type("Adam", (), {"__module__": "tf_keras.src.optimizers.adam"})()
+
+
+def _sgd():
+    return keras.optimizers.SGD()
+
+
+@pytest.mark.parametrize(
+    "make, error, match",
+    [
+        (
+            lambda: keras_mp.LossScaleOptimizer(
+                keras_mp.LossScaleOptimizer(_sgd())
+            ),
+            ValueError,
+            r"already a LossScaleOptimizer.*\(`opt.inner_optimizer`\).*"
+            "Received: LossScaleOptimizer",
+        ),
+        (
+            lambda: keras_mp.LossScaleOptimizer(
+                keras.optimizers.LossScaleOptimizer(_sgd())
+            ),
+            ValueError,
+            "already a LossScaleOptimizer",
+        ),
+        (
+            lambda: keras_mp.LossScaleOptimizer("adam"),
+            TypeError,
+            r"Keras 3 optimizer, e.g. `keras.optimizers.Adam\(\)`. "
+            "Received: builtins.str",
+        ),
+        (
+            lambda: keras_mp.LossScaleOptimizer(_tf_keras_optimizer()),
+            TypeError,
+            "Received: tf_keras.src.optimizers.adam.Adam",
+        ),
+        (
+            lambda: keras_mp.LossScaleOptimizer(
+                _sgd(), min_scale=8.0, max_scale=2.0
+            ),
+            ValueError,
+            "0 < min_scale <= max_scale. Received: min_scale=8.0, "
+            "max_scale=2.0",
+        ),
+        (
+            lambda: keras_mp.LossScaleOptimizer(_sgd(), initial_scale=2.0**30),
+            ValueError,
+            r"`initial_scale` must lie within \[min_scale, max_scale\]. "
+            "Received: initial_scale=1073741824.0",
+        ),
+        (
+            lambda: keras_mp.LossScaleOptimizer(_sgd(), initial_scale=0.5),
+            ValueError,
+            "Received: initial_scale=0.5, min_scale=1.0",
+        ),
+        (
+            lambda: keras_mp.LossScaleOptimizer(_sgd(), dynamic_growth_steps=0),
+            ValueError,
+            "`dynamic_growth_steps` must be a positive integer. "
+            "Received: dynamic_growth_steps=0",
+        ),
+        (
+            lambda: keras_mp.LossScaleOptimizer(
+                _sgd(), dynamic_growth_steps=2.5
+            ),
+            ValueError,
+            "Received: dynamic_growth_steps=2.5",
+        ),
+        (
+            lambda: keras_mp.LossScaleOptimizer(_sgd(), initial_scale="big"),
+            ValueError,
+            "`initial_scale` must be a positive finite number. "
+            "Received: initial_scale='big'",
+        ),
+        (
+            lambda: keras_mp.LossScaleOptimizer(_sgd(), max_scale=np.inf),
+            ValueError,
+            "Received: max_scale=inf",
+        ),
+        (
+            lambda: keras_mp.LossScaleMonitor(log_every=0),
+            ValueError,
+            "`log_every` must be >= 1. Received: log_every=0",
+        ),
+    ],
+)
+def test_bad_arguments_say_what_to_do(make, error, match):
+    with pytest.raises(error, match=match):
+        make()

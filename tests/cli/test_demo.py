@@ -1,9 +1,12 @@
 """`keras-mp demo --quick` end to end: the report says what happened."""
 
 import json
+import math
 
+import keras
 import pytest
 
+import keras_mp
 from keras_mp import cli
 from keras_mp.cli import demo
 
@@ -22,9 +25,11 @@ def test_report_covers_every_method(quick_report):
     expected = {"float32", "qat", "float32_control", "sparse_2_4_qat"}
     expected |= {f"ptq_{m}" for m in ("max", "percentile", "entropy", "mse")}
     assert set(methods) == expected
+    # export_onnx's own tolerance: looser when the model computes in 16 bits
+    mixed = results["policy"]["name"].startswith("mixed")
     for label, m in methods.items():
         assert m["tensorrt_lint"] == "clean", label
-        assert m["parity_top1_agreement"] >= 99.9, label
+        assert m["parity_top1_agreement"] >= (90.0 if mixed else 99.9), label
         assert 0 < m["test_top1"] <= 100 and m["latency_ms_batch1"] > 0
         assert (m["qdq_nodes"] > 0) == (
             label not in ("float32", "float32_control")
@@ -43,13 +48,35 @@ def test_report_covers_every_method(quick_report):
         "loss_scale.png",
     ):
         assert (quick_report / plot).stat().st_size > 1000
-    # this CPU trains in float32: a short mixed_float16 run shows scaling
+    if "loss_scale_probe" in results:
+        steps = demo.QUICK_PROBE_STEPS
+        assert f"Dynamic loss scaling ({steps} mixed_float16 steps" in report
+
+
+def test_loss_scale_probe_is_consistent(quick_report):
+    """A CPU trains in float32 or bfloat16, so a short mixed_float16 run of
+    a copy shows dynamic loss scaling; its figures must add up."""
+    results = json.loads((quick_report / "results.json").read_text())
+    if results["policy"]["name"] == "mixed_float16":
+        pytest.skip("the training run itself used loss scaling: no probe")
     probe = results["loss_scale_probe"]
-    assert probe["steps"] == demo.QUICK_PROBE_STEPS
-    assert probe["initial_scale"] <= 2.0**15
-    assert probe["final_scale"] >= 1.0 and probe["skipped_steps"] >= 0
     steps = demo.QUICK_PROBE_STEPS
-    assert f"Dynamic loss scaling ({steps} mixed_float16 steps" in report
+    assert probe["steps"] == steps
+    default = keras_mp.LossScaleOptimizer(keras.optimizers.SGD())
+    assert probe["initial_scale"] == default.initial_scale == 2.0**15
+    history = probe["scale_history"]
+    assert len(history) == steps
+    assert all(math.log2(s).is_integer() for s in history), history
+    # every change is a skipped step (halving) or a growth (doubling)
+    before = [probe["initial_scale"]] + history[:-1]
+    halved = sum(b == 2 * a for a, b in zip(history, before))
+    doubled = sum(a == 2 * b for a, b in zip(history, before))
+    changes = sum(a != b for a, b in zip(history, before))
+    assert halved + doubled == changes
+    assert halved == probe["skipped_steps"]
+    assert doubled <= (steps - halved) // probe["growth_steps"]
+    assert probe["final_scale"] == history[-1]
+    assert history[-1] == probe["initial_scale"] * 2.0 ** (doubled - halved)
 
 
 def test_rerun_never_loses_a_report(quick_report, capsys):

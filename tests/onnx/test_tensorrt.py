@@ -5,6 +5,9 @@ Runtime runs) and breaks one rule; the test checks that exactly that rule
 fires on exactly that node.
 """
 
+import os
+
+import keras
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -442,26 +445,51 @@ def test_residual_add_with_unquantized_skip_warns():
     assert "skip input 'x'" in str(report)
 
 
+def _bad_files(d):
+    """Files a user may hand to the lint by mistake."""
+    (d / "junk.onnx").write_bytes(b"\x08\x07junk, not protobuf \xff\xfe")
+    (d / "empty.onnx").write_bytes(b"")
+    valid = conv_model().SerializeToString()
+    (d / "truncated.onnx").write_bytes(valid[:20])
+    os.makedirs(d / "folder")
+
+
 @pytest.mark.parametrize(
     "bad, error, match",
     [
-        ("missing.onnx", ValueError, "No ONNX file"),
-        ("notes.txt", ValueError, "not .*ONNX model"),
-        (3, TypeError, "Received: int"),
+        ("none.onnx", ValueError, "No ONNX file at .*none.onnx"),
+        ("folder", ValueError, "No ONNX file at .*folder"),
+        ("junk.onnx", ValueError, "junk.onnx' is not a readable ONNX model"),
+        (
+            "empty.onnx",
+            ValueError,
+            r"empty.onnx' is not an ONNX model \(no IR version or opset\)",
+        ),
+        ("truncated.onnx", ValueError, "truncated.onnx' is not"),
+        (3, TypeError, "ONNX file path or an onnx.ModelProto. Received: int"),
     ],
+    ids=["missing", "folder", "junk", "empty", "truncated", "not_a_path"],
 )
 def test_bad_input_raises_clear_error(tmp_path, bad, error, match):
-    (tmp_path / "notes.txt").write_text("this is not a protobuf\n" * 10)
+    _bad_files(tmp_path)
     if isinstance(bad, str):
-        bad = tmp_path / bad
-    with pytest.raises(error, match=match) as info:
+        bad = str(tmp_path / bad)
+    with pytest.raises(error, match=match):
         check_tensorrt(bad)
-    if not isinstance(bad, int):
-        assert bad.name in str(info.value)
+
+
+def test_a_keras_model_instead_of_onnx_is_named():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    with pytest.raises(TypeError, match="Received: Sequential"):
+        check_tensorrt(model)
 
 
 def test_bad_check_sparsity_raises():
-    with pytest.raises(ValueError, match="check_sparsity='yes'"):
+    with pytest.raises(
+        ValueError,
+        match="check_sparsity must be 'auto', True or False. Received: "
+        "check_sparsity='yes'",
+    ):
         check_tensorrt(conv_model(), check_sparsity="yes")
 
 

@@ -1,0 +1,133 @@
+"""The demo's report folder: plots, `results.json` and `report.md`."""
+
+import json
+import os
+
+from keras_mp.io import atomic_path, atomic_write_text
+from keras_mp.reference import QAT_CALIBRATOR
+
+
+def plot_results(results, sparsity, scale_history, output):
+    """The report's PNG plots; their file names (none without matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing (`pip install keras-mp[plot]`): no plots.")
+        return []
+    names = list(results["methods"])
+    acc = [results["methods"][n]["test_top1"] for n in names]
+    lat = [results["methods"][n].get("latency_ms_batch1", 0) for n in names]
+    figures = {
+        "accuracy.png": ("test top-1 %", acc),
+        "latency.png": ("ORT CPU latency, batch 1 (ms)", lat),
+    }
+    written = []
+    for filename, (label, values) in figures.items():
+        fig, ax = plt.subplots(figsize=(8, 3.5))
+        ax.bar(names, values, color="tab:blue")
+        ax.set_ylabel(label)
+        if "top-1" in label:
+            ax.set_ylim(max(0, min(values) - 5), 100)
+        ax.tick_params(axis="x", rotation=30)
+        fig.tight_layout()
+        with atomic_path(os.path.join(output, filename), suffix=".png") as tmp:
+            fig.savefig(tmp)
+        plt.close(fig)
+        written.append(filename)
+    layers = [r for r in sparsity.rows if r.eligible]
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    ax.bar([r.name for r in layers], [r.fraction_zero for r in layers])
+    ax.set_ylabel("fraction of zero weights")
+    ax.tick_params(axis="x", rotation=30)
+    fig.tight_layout()
+    with atomic_path(os.path.join(output, "sparsity.png"), suffix=".png") as t:
+        fig.savefig(t)
+    plt.close(fig)
+    written.append("sparsity.png")
+    if scale_history:
+        fig, ax = plt.subplots(figsize=(8, 3))
+        steps, scales = zip(*scale_history)
+        ax.semilogy(steps, scales)
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss scale")
+        fig.tight_layout()
+        with atomic_path(
+            os.path.join(output, "loss_scale.png"), suffix=".png"
+        ) as t:
+            fig.savefig(t)
+        plt.close(fig)
+        written.append("loss_scale.png")
+    return written
+
+
+def write_report(output, results, audit, epochs, qat_epochs, learning_rate):
+    """Writes `results.json` and `report.md` into `output`."""
+    fp = results["methods"]["float32"]
+    rows = [
+        "| method | test top-1 % | vs float32 | TensorRT lint | Q/DQ nodes | "
+        "ORT parity top-1 | ORT rel. L2 | batch-1 ms | batch-64 ms |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for label, m in results["methods"].items():
+        rows.append(
+            f"| {label} | {m['test_top1']:.2f} | "
+            f"{m['test_top1'] - fp['test_top1']:+.2f} | {m['tensorrt_lint']} | "
+            f"{m['qdq_nodes']} | {m['parity_top1_agreement']:.2f}% | "
+            f"{m['parity_rel_l2']:.2g} | {m['latency_ms_batch1']:.2f} | "
+            f"{m['latency_ms_batch64']:.1f} |"
+        )
+    lines = [
+        "# keras_mp demo report",
+        "",
+        f"Data: {results['data']}, {results['train_images']} training and "
+        f"{results['test_images']} test images.",
+        "",
+        f"Training policy: {results['policy']['name']}. "
+        f"{results['policy']['reason']}",
+        f"Float training: {epochs} epoch(s), {results['train_seconds']} s. "
+        f"QAT and fine-tunes: {qat_epochs} epoch(s) each, cosine-decayed "
+        f"learning rate from 1e-4. `float32_control` is the float model "
+        f"fine-tuned the same extra epochs (compare QAT with it). "
+        f"`sparse_2_4_qat`: pruned to 2:4, retrained {qat_epochs} epoch(s) "
+        f"from the training rate {learning_rate:g} (cosine), then QAT "
+        f"as above, so it had one epoch more than the control. Best PTQ "
+        f"calibrator (test top-1): {results['best_calibrator']}; "
+        f"QAT starts from {QAT_CALIBRATOR} calibration.",
+        "",
+        "\n".join(rows),
+        "",
+        "Parity runs ONNX Runtime with graph optimizations off (Q/DQ "
+        "semantics); latency uses ORT's default optimizations on this CPU, "
+        "where INT8 Q/DQ graphs run slower than float32: latency here is "
+        "information, not the TensorRT speed.",
+        "",
+    ]
+    probe = results.get("loss_scale_probe")
+    if probe:
+        lines += [
+            f"Dynamic loss scaling ({probe['steps']} mixed_float16 steps on a "
+            f"copy, since this machine trains in {results['policy']['name']}): "
+            f"scale {probe['initial_scale']:g} at the start, "
+            f"{probe['final_scale']:g} at the end, {probe['skipped_steps']} "
+            "overflow step(s) skipped (loss_scale.png).",
+            "",
+        ]
+    lines += [
+        "Tensor Core audit of the mixed_float16 build:",
+        "",
+        "```",
+        audit.to_table(),
+        "```",
+        "",
+    ] + [f"![{p}]({p})" for p in results["plots"]]
+    atomic_write_text(
+        os.path.join(output, "results.json"), json.dumps(results, indent=2)
+    )
+    atomic_write_text(
+        os.path.join(output, "report.md"), "\n".join(lines) + "\n"
+    )
+    print(f"\nReport written to {output}/report.md")
+    print("\n".join(rows))

@@ -1,0 +1,141 @@
+"""The mixed-precision audit: per-layer dtypes and Tensor Core alignment.
+Guide: `docs/mixed-precision.md`.
+"""
+
+import dataclasses
+
+import keras
+
+from keras_mp import _models
+
+
+@dataclasses.dataclass
+class LayerAudit:
+    """One row of an `AuditReport`: a layer's dtypes and findings."""
+
+    name: str
+    class_name: str
+    compute_dtype: str
+    variable_dtype: str
+    findings: list
+
+
+@dataclasses.dataclass
+class AuditReport:
+    """Per-layer dtypes and Tensor Core alignment findings."""
+
+    layers: list
+    batch_size: int = None
+    batch_finding: str = ""
+
+    @property
+    def findings(self):
+        out = [f"{r.name}: {f}" for r in self.layers for f in r.findings]
+        return out + ([self.batch_finding] if self.batch_finding else [])
+
+    @property
+    def summary(self):
+        half = sum(
+            r.compute_dtype in ("float16", "bfloat16") for r in self.layers
+        )
+        return (
+            f"{len(self.layers)} layers: {half} compute in 16-bit, "
+            f"{len(self.layers) - half} in float32; "
+            f"{len(self.findings)} Tensor Core alignment finding(s)."
+        )
+
+    def to_table(self):
+        rows = [("layer", "type", "compute", "variables", "alignment")]
+        for r in self.layers:
+            rows.append(
+                (
+                    r.name,
+                    r.class_name,
+                    r.compute_dtype,
+                    r.variable_dtype,
+                    "; ".join(r.findings) or "ok",
+                )
+            )
+        widths = [max(len(row[i]) for row in rows) for i in range(5)]
+        lines = [
+            "  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows
+        ]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        if self.batch_finding:
+            lines.append(self.batch_finding)
+        lines.append(self.summary)
+        return "\n".join(lines)
+
+    def __str__(self):
+        return self.to_table()
+
+
+def _alignment_findings(layer):
+    """Dimensions of `layer` that are not multiples of 8."""
+    findings = []
+    for attr in ("units", "filters"):
+        value = getattr(layer, attr, None)
+        if isinstance(value, int) and value % 8:
+            findings.append(f"{attr}={value} not a multiple of 8")
+    kernel = getattr(layer, "kernel", None)
+    if kernel is not None and len(kernel.shape) >= 3:
+        channels = kernel.shape[-2]
+        if channels % 8:
+            findings.append(f"input channels={channels} not a multiple of 8")
+    elif kernel is not None and len(kernel.shape) == 2 and kernel.shape[0] % 8:
+        findings.append(f"input features={kernel.shape[0]} not a multiple of 8")
+    if isinstance(layer, keras.layers.Embedding) and layer.output_dim % 8:
+        findings.append(f"output_dim={layer.output_dim} not a multiple of 8")
+    return findings
+
+
+def mixed_precision_audit(model, batch_size=None, verbose=True):
+    """Lists each layer's dtypes and its Tensor Core alignment findings.
+
+    Tensor Cores run float16/bfloat16 (and INT8) matrix math when the
+    matrix dimensions are multiples of 8: units, filters, input channels and
+    the batch size. A misaligned dimension falls back to slower kernels or is
+    padded. Layers are listed at any depth: inside nested models,
+    wrappers and custom layers.
+
+    Args:
+        model: A built `keras.Model`.
+        batch_size: int. The training batch size, checked too when given.
+        verbose: bool. Print the table and summary. Defaults to True.
+
+    Returns:
+        `AuditReport` with `.layers`, `.findings`, `.summary`, `.to_table()`.
+
+    Example:
+
+    >>> report = keras_mp.mixed_precision_audit(model, batch_size=128)
+    >>> report.summary
+    '9 layers: 7 compute in 16-bit, 2 in float32; 1 Tensor Core ...'
+    """
+    _models.check_model(model, "mixed_precision_audit")
+    if not model.built:
+        raise ValueError(
+            f"Model {model.name!r} is not built, so its weight shapes are "
+            "unknown. Call it on a batch or call `model.build(input_shape)` "
+            "first."
+        )
+    rows = []
+    for layer in _models.walk_layers(model):
+        if isinstance(layer, keras.layers.InputLayer):
+            continue
+        rows.append(
+            LayerAudit(
+                name=layer.name,
+                class_name=type(layer).__name__,
+                compute_dtype=layer.compute_dtype,
+                variable_dtype=layer.variable_dtype,
+                findings=_alignment_findings(layer),
+            )
+        )
+    batch_finding = ""
+    if batch_size is not None and batch_size % 8:
+        batch_finding = f"batch_size={batch_size} not a multiple of 8"
+    report = AuditReport(rows, batch_size, batch_finding)
+    if verbose:
+        print(report.to_table())
+    return report

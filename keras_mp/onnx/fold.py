@@ -1,0 +1,134 @@
+"""Weight folding: the post-tf2onnx pass that makes each weight an INT8
+initializer whose DequantizeLinear feeds its weighted op directly
+(`docs/export.md`, "What export fixes up")."""
+
+import numpy as np
+
+from keras_mp._compat import optional_import
+from keras_mp.onnx.graph import (
+    GraphIndex,
+    apply_layout,
+    attr,
+    output_channel_axis,
+)
+
+
+def fold_weight_qdq(model_proto):
+    """Folds each weight's Q/DQ and layout ops into INT8 initializers.
+
+    A weight QuantizeLinear on a constant becomes an INT8 initializer, and
+    layout ops (Transpose, Reshape, ...) between a weight's
+    DequantizeLinear and its Conv, ConvTranspose, MatMul or Gemm are
+    applied to the initializer, so the DQ feeds the op directly.
+
+    Args:
+        model_proto: an `onnx.ModelProto`, edited in place.
+
+    Returns:
+        `model_proto`.
+    """
+    onnx = optional_import("onnx")
+    from onnx import numpy_helper
+
+    graph = model_proto.graph
+    index = GraphIndex(model_proto)
+    for node in index.weighted:
+        if len(node.input) < 2:
+            continue
+        source = index.trace(node.input[1])
+        dq = source.dq
+        if dq is None:
+            continue
+        codes, scale, dq_axis = _dq_constants(dq, index)
+        if codes is None or (
+            not source.layout and dq.input[0] in index.constants
+        ):
+            continue
+        values = _dequantize(codes, scale, dq_axis)
+        for op in reversed(source.layout):
+            values = apply_layout(op, values, index.constants)
+        weight_axis = output_channel_axis(node, 1, values.ndim) % values.ndim
+        if scale.size > 1:
+            if values.shape[weight_axis] != scale.size:
+                continue  # not per-channel on the output axis: leave it
+            shape = [1] * values.ndim
+            shape[weight_axis] = -1
+            new_codes = np.rint(values / scale.reshape(shape))
+        else:
+            new_codes = np.rint(values / scale)
+        base = f"{node.name}_weight"
+        graph.initializer.extend(
+            [
+                numpy_helper.from_array(
+                    new_codes.astype(np.int8), f"{base}_int8"
+                ),
+                numpy_helper.from_array(
+                    scale.astype(np.float32), f"{base}_scale"
+                ),
+                numpy_helper.from_array(
+                    np.zeros(scale.shape, np.int8), f"{base}_zero_point"
+                ),
+            ]
+        )
+        attrs = {"axis": weight_axis} if scale.size > 1 else {}
+        new_dq = onnx.helper.make_node(
+            "DequantizeLinear",
+            [f"{base}_int8", f"{base}_scale", f"{base}_zero_point"],
+            [f"{base}_dq"],
+            name=f"{base}_DequantizeLinear",
+            **attrs,
+        )
+        graph.node.insert(list(graph.node).index(node), new_dq)
+        node.input[1] = f"{base}_dq"
+    _prune_dead(graph)
+    return model_proto
+
+
+def _dq_constants(dq, index):
+    """(INT8 codes, float32 scale, axis) of a weight DequantizeLinear whose
+    codes are a constant or a QuantizeLinear of one; Nones otherwise."""
+    scale = index.const(dq.input[1])
+    codes = index.const(dq.input[0])
+    q = index.producers.get(dq.input[0])
+    if codes is None and q is not None and q.op_type == "QuantizeLinear":
+        values = index.const(q.input[0])
+        if values is not None:
+            codes = _quantize(
+                values, index.const(q.input[1]), attr(q, "axis", 1)
+            )
+    if codes is None or scale is None:
+        return None, None, None
+    return codes, np.asarray(scale, np.float32), attr(dq, "axis", 1)
+
+
+def _broadcast_scale(scale, ndim, axis):
+    if scale.size == 1:
+        return scale.reshape(())
+    shape = [1] * ndim
+    shape[axis % ndim] = -1
+    return scale.reshape(shape)
+
+
+def _quantize(values, scale, axis):
+    scale = _broadcast_scale(np.asarray(scale, np.float32), values.ndim, axis)
+    return np.clip(np.rint(values / scale), -128, 127).astype(np.int8)
+
+
+def _dequantize(codes, scale, axis):
+    return codes.astype(np.float32) * _broadcast_scale(scale, codes.ndim, axis)
+
+
+def _prune_dead(graph):
+    """Removes nodes and initializers nothing consumes any more."""
+    outputs = {o.name for o in graph.output}
+    while True:
+        used = {name for node in graph.node for name in node.input} | outputs
+        dead = [n for n in graph.node if not any(o in used for o in n.output)]
+        if not dead:
+            break
+        for node in dead:
+            graph.node.remove(node)
+    used = {name for node in graph.node for name in node.input}
+    for init in list(graph.initializer):
+        if init.name not in used:
+            graph.initializer.remove(init)

@@ -1,0 +1,373 @@
+"""The TensorRT explicit-quantization rules, one function each.
+
+Each rule is `rule(graph) -> iterable of Finding` over a `LintGraph`,
+listed in `RULES`: adding a rule is one function and one list entry
+(`docs/tensorrt.md` lists what each checks and why).
+"""
+
+import dataclasses
+
+import numpy as np
+
+from keras_mp._compat import optional_import
+from keras_mp.onnx.graph import (
+    BIAS_SLOT,
+    INT8,
+    INT32,
+    LAYOUT_OPS,
+    QDQ_OPS,
+    UINT8,
+    WEIGHT_SLOTS,
+    GraphIndex,
+    attr,
+    input_channel_axis,
+    output_channel_axis,
+)
+
+QOPERATOR_OPS = frozenset(
+    """QLinearConv QLinearMatMul ConvInteger MatMulInteger MatMulIntegerToFloat
+    DynamicQuantizeLinear DynamicQuantizeMatMul QGemm QAttention QLinearAdd
+    QLinearMul QLinearConcat QLinearAveragePool QLinearGlobalAveragePool
+    QLinearLeakyRelu QLinearSigmoid QLinearSoftmax QLinearReduceMean
+    QLinearConvTranspose QLinearWhere""".split()
+)
+SPARSE_OPS = ("Conv", "MatMul", "Gemm")
+# Ops through which TensorRT moves a Q/DQ pair on to the next weighted op.
+PASS_THROUGH_OPS = LAYOUT_OPS | {"MaxPool", "GlobalMaxPool"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    """One broken rule: which rule, on which node, and what to do."""
+
+    rule: str
+    node: str
+    message: str
+    severity: str = "error"
+
+    def __str__(self):
+        return f"`{self.node}` [{self.rule}] {self.message}"
+
+
+class LintGraph(GraphIndex):
+    """A `GraphIndex` with what the rules need beside it.
+
+    Args:
+        model: an `onnx.ModelProto`.
+        check_sparsity: `"auto"`, True or False, as `check_tensorrt`'s.
+    """
+
+    def __init__(self, model, check_sparsity):
+        super().__init__(model)
+        self.check_sparsity = check_sparsity
+
+    def feeds_weighted_op(self, tensor, seen=None):
+        seen = set() if seen is None else seen
+        for node, _ in self.consumers.get(tensor, []):
+            if node.op_type in WEIGHT_SLOTS:
+                return True
+            if node.op_type in PASS_THROUGH_OPS and id(node) not in seen:
+                seen.add(id(node))
+                if self.feeds_weighted_op(node.output[0], seen):
+                    return True
+        return False
+
+
+def _qdq_type(graph, node):
+    """ONNX element type of the integer side of a Q/DQ node, or None."""
+    if len(node.input) > 2 and node.input[2]:
+        return graph.dtypes.get(node.input[2])
+    if node.op_type == "QuantizeLinear":
+        return attr(node, "output_dtype", 0) or UINT8
+    return graph.dtypes.get(node.input[0])
+
+
+def bad_groups(array, axis):
+    """(groups of 4 with more than 2 non-zeros, all groups) along `axis`."""
+    groups = np.moveaxis(np.asarray(array), axis, -1).reshape(-1, 4)
+    return int((np.count_nonzero(groups, axis=1) > 2).sum()), len(groups)
+
+
+def sparsity_candidates(graph):
+    """(op, weight name, array, axis) for each weight 2:4 can apply to."""
+    for op, slot, source in graph.weights:
+        if op.op_type not in SPARSE_OPS or slot != 1:
+            continue
+        if any(n.op_type != "Identity" for n in source.layout):
+            continue  # a moved weight: its input channels are not known here
+        array = source.array
+        axis = input_channel_axis(op.op_type, array.ndim, attr(op, "transB", 0))
+        if array.ndim >= 2 and array.shape[axis] % 4 == 0:
+            yield op, source.name, array, axis
+
+
+def _rule_qoperator(graph):
+    for node in graph.nodes:
+        if node.op_type in QOPERATOR_OPS:
+            yield Finding(
+                "qoperator",
+                graph.name(node),
+                f"{node.op_type} is a QOperator-format op; TensorRT accepts "
+                "only QuantizeLinear/DequantizeLinear pairs around float ops: "
+                "re-export in QDQ format (ONNX Runtime: "
+                "quant_format=QuantFormat.QDQ).",
+            )
+        elif node.op_type in QDQ_OPS and node.domain not in ("", "ai.onnx"):
+            yield Finding(
+                "qoperator",
+                graph.name(node),
+                f"{node.op_type} from domain '{node.domain}'; TensorRT parses "
+                "only the standard ONNX QuantizeLinear/DequantizeLinear.",
+            )
+
+
+def _rule_zero_point(graph):
+    for node in graph.qdq:
+        has_zero_point = len(node.input) > 2 and node.input[2]
+        dtype = _qdq_type(graph, node)
+        message = None
+        if dtype == INT32:
+            message = (
+                "dequantizes an INT32 tensor (a quantized bias); TensorRT "
+                "quantizes biases itself and takes INT8 Q/DQ only: keep the "
+                "bias float32 (ONNX Runtime: extra_options QuantizeBias=False)."
+            )
+        elif dtype is not None and dtype != INT8:
+            kind = optional_import("onnx").TensorProto.DataType.Name(dtype)
+            missing = "" if has_zero_point else "has no zero point, so it "
+            message = (
+                f"{missing}quantizes to {kind}; TensorRT needs INT8 with zero "
+                "point 0: give it an INT8 zero point of 0 (ONNX Runtime: "
+                "activation_type=QuantType.QInt8)."
+            )
+        elif has_zero_point:
+            zero_point = graph.const(node.input[2])
+            if zero_point is None:
+                message = (
+                    f"zero point '{node.input[2]}' is computed at run time; "
+                    "TensorRT needs a constant INT8 zero point of 0."
+                )
+            elif np.any(zero_point != 0):
+                values = np.unique(zero_point)[:4].tolist()
+                message = (
+                    f"zero point is {values}, not 0 (asymmetric); TensorRT "
+                    "quantization is symmetric: use zero point 0 (ONNX "
+                    "Runtime: extra_options ActivationSymmetric=True, "
+                    "WeightSymmetric=True)."
+                )
+        if message:
+            yield Finding("zero_point", graph.name(node), message)
+
+
+def _rule_scale(graph):
+    for node in graph.qdq:
+        tensor = node.input[1]
+        scale = graph.const(tensor)
+        if scale is None:
+            producer = graph.producers.get(tensor)
+            origin = (
+                f"computed at run time by {producer.op_type} "
+                f"'{graph.name(producer)}'"
+                if producer is not None
+                else "a graph input"
+            )
+            message = (
+                f"scale '{tensor}' is {origin}; TensorRT needs a constant: "
+                "calibrate and store the scale as a float32 initializer."
+            )
+        elif scale.dtype != np.float32 and not (
+            scale.dtype == np.float16 and graph.opset >= 19
+        ):
+            message = (
+                f"scale '{tensor}' is {scale.dtype}; TensorRT needs float32 "
+                "(or float16 at opset >= 19, for a float16 graph)."
+            )
+        elif not np.all(np.isfinite(scale) & (scale > 0)):
+            bad = scale[~(np.isfinite(scale) & (scale > 0))].ravel()
+            message = (
+                f"scale '{tensor}' has {bad.size} value(s) that are not "
+                f"positive and finite (e.g. {bad[0]}); an uncalibrated "
+                "quantizer (amax 0) gives scale 0: calibrate it."
+            )
+        else:
+            continue
+        yield Finding("scale", graph.name(node), message)
+
+
+def _rule_per_channel(graph):
+    for node in graph.qdq:
+        scale = graph.const(node.input[1])
+        if scale is None or scale.size <= 1:
+            continue
+        name = graph.name(node)
+        axis = attr(node, "axis", 1)
+        if graph.opset < 13:
+            yield Finding(
+                "per_channel",
+                name,
+                f"per-channel scale needs opset >= 13; the graph has opset "
+                f"{graph.opset}: export with opset 13 or later.",
+            )
+        use = graph.weight_use.get(id(node))
+        if use is None:
+            yield Finding(
+                "per_channel",
+                name,
+                f"per-channel scale ({scale.size} values, axis {axis}) on "
+                "a tensor that is not the weight of a Conv, ConvTranspose, "
+                "MatMul or Gemm; TensorRT quantizes activations per-tensor: "
+                "use a scalar scale.",
+            )
+            continue
+        op, slot, source = use
+        if slot == BIAS_SLOT or source.layout:
+            continue  # reported by the zero_point / weight_dq_direct rules
+        shape = source.array.shape
+        expected = output_channel_axis(op, slot, len(shape))
+        if (axis + len(shape) if axis < 0 else axis) != expected:
+            yield Finding(
+                "per_channel",
+                name,
+                f"per-channel axis {axis} on the weight of {op.op_type} "
+                f"'{graph.name(op)}' (shape {list(shape)}); its output-"
+                f"channel axis is {expected} (Conv: 0, OIHW; ConvTranspose: "
+                "1; MatMul: last; Gemm: 1, or 0 with transB=1).",
+            )
+        elif scale.size != shape[expected]:
+            yield Finding(
+                "per_channel",
+                name,
+                f"{scale.size} scales for {shape[expected]} output channels "
+                f"of {op.op_type} '{graph.name(op)}'.",
+            )
+
+
+def _rule_weight_dq_direct(graph):
+    for op, slot, source in graph.weights:
+        if source.dq is None or not source.layout:
+            continue
+        chain = ", ".join(
+            f"{n.op_type} '{graph.name(n)}'" for n in reversed(source.layout)
+        )
+        yield Finding(
+            "weight_dq_direct",
+            graph.name(op),
+            f"weight DequantizeLinear '{graph.name(source.dq)}' reaches input "
+            f"{slot} through {chain}; TensorRT needs the weight DQ to feed "
+            f"the {op.op_type} directly: fold these ops into the weight "
+            "initializer.",
+        )
+
+
+def _rule_partial_quantization(graph):
+    for op in graph.weighted:
+        quantized = graph.quantized_inputs(op)
+        if len(quantized) == 2 and quantized[0] != quantized[1]:
+            missing = op.input[quantized.index(False)]
+            yield Finding(
+                "partial_quantization",
+                graph.name(op),
+                f"only one input is quantized ('{missing}' is not); TensorRT "
+                f"runs the {op.op_type} in INT8 only when both input and "
+                "weight are: add Q/DQ on the other input too.",
+                "warning",
+            )
+
+
+def _rule_output_qdq(graph):
+    for op in graph.weighted:
+        for q, _ in graph.consumers.get(op.output[0], []):
+            if q.op_type != "QuantizeLinear":
+                continue
+            dqs = [n for n, _ in graph.consumers.get(q.output[0], [])]
+            if not any(graph.feeds_weighted_op(n.output[0]) for n in dqs):
+                yield Finding(
+                    "output_qdq",
+                    graph.name(q),
+                    f"Q/DQ on the output of {op.op_type} '{graph.name(op)}' "
+                    "feeds no weighted op; TensorRT fuses Q/DQ on the inputs "
+                    "of weighted ops, so this pair may only add latency.",
+                    "warning",
+                )
+
+
+def _from_quantized_weighted_op(graph, tensor):
+    """The quantized weighted op behind `tensor`, through a BatchNormalization
+    or the Mul/Add-by-constant pair tf2onnx decomposes an inference-mode
+    Keras BatchNormalization into (TensorRT folds both into the conv)."""
+    node = graph.producers.get(tensor)
+    for _ in range(4):
+        if node is None:
+            break
+        if node.op_type == "BatchNormalization":
+            node = graph.producers.get(node.input[0])
+        elif node.op_type in ("Mul", "Add") and len(node.input) == 2:
+            consts = [graph.trace(t).name is not None for t in node.input]
+            if consts.count(True) != 1:
+                break
+            node = graph.producers.get(node.input[consts.index(False)])
+        else:
+            break
+    if node is None or node.op_type not in WEIGHT_SLOTS:
+        return None
+    return node if any(graph.quantized_inputs(node)) else None
+
+
+def _rule_residual_add(graph):
+    for node in graph.nodes:
+        if node.op_type != "Add" or len(node.input) != 2:
+            continue
+        sources = [graph.trace(t) for t in node.input]
+        if any(s.name is not None for s in sources):
+            continue  # a bias add, not a residual one
+        quantized = [s.dq is not None for s in sources]
+        ops = [_from_quantized_weighted_op(graph, t) for t in node.input]
+        for i, j in ((0, 1), (1, 0)):
+            if quantized[j] or ops[j] is not None:
+                continue
+            if ops[i] is not None:
+                reason = (
+                    f"put Q/DQ on the skip input '{node.input[j]}' so "
+                    f"TensorRT fuses {ops[i].op_type} '{graph.name(ops[i])}' "
+                    "and this Add into one INT8 kernel."
+                )
+            elif quantized[i]:
+                reason = (
+                    f"input '{node.input[i]}' is quantized but "
+                    f"'{node.input[j]}' is not: quantize both or neither."
+                )
+            else:
+                continue
+            yield Finding("residual_add", graph.name(node), reason, "warning")
+            break
+
+
+def _rule_sparsity(graph):
+    if graph.check_sparsity is False:
+        return
+    for op, weight, array, axis in sparsity_candidates(graph):
+        bad, total = bad_groups(array, axis)
+        zeros = float(np.mean(array == 0))
+        if bad == 0 or (graph.check_sparsity == "auto" and zeros < 0.4):
+            continue
+        looks = f"looks pruned ({zeros:.0%} zeros) but " if zeros >= 0.4 else ""
+        yield Finding(
+            "sparsity_2_4",
+            graph.name(op),
+            f"weight '{weight}' {looks}breaks 2:4: {bad} of {total} groups of "
+            f"4 input channels (axis {axis}) have more than 2 non-zeros; "
+            "prune with keras_mp.StructuredSparsity and keep its mask.",
+        )
+
+
+RULES = [
+    _rule_qoperator,
+    _rule_zero_point,
+    _rule_scale,
+    _rule_per_channel,
+    _rule_weight_dq_direct,
+    _rule_partial_quantization,
+    _rule_output_qdq,
+    _rule_residual_add,
+    _rule_sparsity,
+]

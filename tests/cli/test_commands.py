@@ -1,0 +1,295 @@
+"""The `keras-mp` command line: each subcommand, and every bad command
+line exiting with code 2 and one error line (no traceback)."""
+
+import json
+import os
+import re
+import zipfile
+
+import keras
+import numpy as np
+import onnx
+import pytest
+from onnx import helper
+
+import keras_mp
+from keras_mp import cli
+from tests.conftest import small_cnn
+
+
+def test_info_prints_versions_devices_and_policies(capsys):
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    for key in ("keras_mp", "tensorflow", "tf2onnx", "onnxruntime", "devices"):
+        assert key in out
+    assert "auto policy" in out and "mixed_bfloat16" in out
+
+
+def test_cli_export_and_lint(tmp_path, capsys):
+    x = np.random.default_rng(0).random((16, 28, 28, 1), dtype=np.float32)
+    model = small_cnn()
+    model.save(tmp_path / "m.keras")
+    np.save(tmp_path / "x.npy", x)
+    out = tmp_path / "m.onnx"
+    code = cli.main(
+        [
+            "export",
+            str(tmp_path / "m.keras"),
+            "--onnx",
+            str(out),
+            "--calibrate",
+            str(tmp_path / "x.npy"),
+            "--verify",
+            str(tmp_path / "x.npy"),
+        ]
+    )
+    text = capsys.readouterr().out
+    assert code == 0 and out.exists()
+    assert "trtexec --onnx=" in text and "--stronglyTyped" in text
+    assert "top-1 agreement 100.00%" in text
+    assert cli.main(["lint", str(out)]) == 0
+    (tmp_path / "bad.onnx").write_bytes(b"not onnx")
+    assert cli.main(["lint", str(tmp_path / "bad.onnx")]) == 2
+    assert "bad.onnx" in capsys.readouterr().err
+    assert (
+        cli.main(["export", str(tmp_path / "nope.keras"), "--onnx", "x"]) == 2
+    )
+
+
+def test_cli_fp16_export_verifies_on_the_calibration_data(tmp_path, capsys):
+    x = np.random.default_rng(0).random((16, 28, 28, 1), dtype=np.float32)
+    small_cnn().save(tmp_path / "m.keras")
+    np.save(tmp_path / "x.npy", x)
+    out = tmp_path / "m.onnx"
+    argv = ["export", str(tmp_path / "m.keras"), "--onnx", str(out)]
+    code = cli.main(argv + ["--calibrate", str(tmp_path / "x.npy"), "--fp16"])
+    text = capsys.readouterr().out
+    assert code == 0 and "top-1 agreement 100.00%" in text
+    assert "--minShapes=input_0:1x28x28x1" in text
+    proto = onnx.load(out)
+    assert max(o.version for o in proto.opset_import if o.domain == "") == 19
+    assert cli.main(argv + ["--overwrite"]) == 0
+    assert "No parity check" in capsys.readouterr().out
+
+
+def _tiny_onnx(path):
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])],
+    )
+    onnx.save(helper.make_model(graph), path)
+
+
+@pytest.fixture(scope="module")
+def bad_files(tmp_path_factory):
+    """The files the bad command lines point at (made once)."""
+    d = tmp_path_factory.mktemp("bad_cli")
+    x = np.random.default_rng(0).random((32, 8, 8, 4), dtype=np.float32)
+    model = keras.Sequential(
+        [
+            keras.Input((8, 8, 4)),
+            keras.layers.Conv2D(8, 3, name="conv"),
+            keras.layers.GlobalAveragePooling2D(),
+            keras.layers.Dense(4),
+        ]
+    )
+    model.save(d / "m.keras")
+    quantized = keras_mp.quantize_model(model)
+    keras_mp.calibrate(quantized, x, verbose=0)
+    quantized.save(d / "q.keras")
+    lam = keras.Sequential(
+        [keras.Input((4,)), keras.layers.Lambda(lambda v: 2 * v)]
+    )
+    lam.save(d / "lambda.keras")
+    (d / "junk.keras").write_bytes(b"not a zip file")
+    with zipfile.ZipFile(d / "noconfig.keras", "w") as z:
+        z.writestr("metadata.json", json.dumps({"keras_version": "3.15.1"}))
+    np.save(d / "x.npy", x)
+    np.save(d / "x3d.npy", x[..., 0])
+    np.save(d / "pickled.npy", np.array([{"a": 1}], dtype=object))
+    (d / "existing.onnx").write_bytes(b"previous")
+    (d / "junk.onnx").write_bytes(b"\x08\x07junk, not protobuf \xff\xfe")
+    (d / "empty.onnx").write_bytes(b"")
+    _tiny_onnx(str(d / "valid.onnx"))
+    os.makedirs(d / "report")
+    (d / "report" / "report.md").write_text("an earlier report")
+    os.makedirs(d / "existing_sm")
+    return d
+
+
+def _onnx_out(d, *extra):
+    return ["--onnx", f"{d}/o.onnx", *extra]
+
+
+# (id, argv from the fixture folder, message on stderr)
+BAD_CLI = [
+    ("no_subcommand", lambda d: [], "required: command"),
+    ("export_no_model", lambda d: ["export"], "required: model"),
+    (
+        "export_opset_not_a_number",
+        lambda d: ["export", f"{d}/m.keras", "--opset", "x"],
+        "invalid int value: 'x'",
+    ),
+    (
+        "export_nothing_to_do",
+        lambda d: ["export", f"{d}/m.keras"],
+        "Nothing to do: pass --onnx OUT.onnx and/or --saved-model DIR",
+    ),
+    (
+        "export_missing_model",
+        lambda d: ["export", f"{d}/none.keras", *_onnx_out(d)],
+        "Could not load .*none.keras",
+    ),
+    (
+        "export_junk_model",
+        lambda d: ["export", f"{d}/junk.keras", *_onnx_out(d)],
+        "Could not load .*junk.keras",
+    ),
+    (
+        "export_zip_without_config",
+        lambda d: ["export", f"{d}/noconfig.keras", *_onnx_out(d)],
+        "Could not load .*noconfig.keras",
+    ),
+    (
+        "export_unsafe_lambda_model",
+        lambda d: ["export", f"{d}/lambda.keras", *_onnx_out(d)],
+        "Could not load .*lambda.keras.*Lambda",
+    ),
+    (
+        "export_calibration_file_missing",
+        lambda d: [
+            "export",
+            f"{d}/m.keras",
+            *_onnx_out(d, "--calibrate", f"{d}/none.npy"),
+        ],
+        "Could not read .*none.npy as a .npy array",
+    ),
+    (
+        "export_calibration_file_pickled",
+        lambda d: [
+            "export",
+            f"{d}/m.keras",
+            *_onnx_out(d, "--calibrate", f"{d}/pickled.npy"),
+        ],
+        "Could not read .*pickled.npy as a .npy array.*allow_pickle",
+    ),
+    (
+        "export_calibration_wrong_shape",
+        lambda d: [
+            "export",
+            f"{d}/m.keras",
+            *_onnx_out(d, "--calibrate", f"{d}/x3d.npy"),
+        ],
+        r"Calibration batch has shape \(32, 8, 8\).*expects",
+    ),
+    (
+        "export_unknown_method",
+        lambda d: [
+            "export",
+            f"{d}/m.keras",
+            *_onnx_out(d, "--calibrate", f"{d}/x.npy", "--method", "kl"),
+        ],
+        "Unknown calibration method",
+    ),
+    (
+        "export_calibrate_quantized_model",
+        lambda d: [
+            "export",
+            f"{d}/q.keras",
+            *_onnx_out(d, "--calibrate", f"{d}/x.npy"),
+        ],
+        "already quantized",
+    ),
+    (
+        "export_old_opset",
+        lambda d: ["export", f"{d}/m.keras", *_onnx_out(d, "--opset", "11")],
+        "opset >= 13",
+    ),
+    (
+        "export_existing_output",
+        lambda d: ["export", f"{d}/m.keras", "--onnx", f"{d}/existing.onnx"],
+        "existing.onnx exists.*--overwrite",
+    ),
+    (
+        "export_missing_output_folder",
+        lambda d: ["export", f"{d}/m.keras", "--onnx", f"{d}/no/o.onnx"],
+        "folder .*no does not exist",
+    ),
+    (
+        "export_verify_missing",
+        lambda d: [
+            "export",
+            f"{d}/m.keras",
+            *_onnx_out(d, "--verify", f"{d}/none.npy"),
+        ],
+        "Could not read .*none.npy",
+    ),
+    (
+        "export_verify_wrong_shape",
+        lambda d: [
+            "export",
+            f"{d}/m.keras",
+            "--onnx",
+            f"{d}/vw.onnx",
+            "--verify",
+            f"{d}/x3d.npy",
+        ],
+        r"verify.*\(32, 8, 8\)",
+    ),
+    (
+        "export_saved_model_existing",
+        lambda d: [
+            "export",
+            f"{d}/m.keras",
+            "--saved-model",
+            f"{d}/existing_sm",
+        ],
+        "existing_sm exists",
+    ),
+    ("lint_missing_file", lambda d: ["lint", f"{d}/none.onnx"], "No ONNX file"),
+    (
+        "lint_junk_file",
+        lambda d: ["lint", f"{d}/junk.onnx"],
+        "not a readable ONNX model",
+    ),
+    ("lint_empty_file", lambda d: ["lint", f"{d}/empty.onnx"], "not an ONNX"),
+    ("lint_keras_file", lambda d: ["lint", f"{d}/m.keras"], "m.keras' is not"),
+    (
+        "demo_existing_report",
+        lambda d: ["demo", "--output", f"{d}/report"],
+        "already holds a report. Pass --overwrite",
+    ),
+    (
+        "info_unknown_option",
+        lambda d: ["info", "--gpu"],
+        "unrecognized arguments: --gpu",
+    ),
+    (
+        "unknown_subcommand",
+        lambda d: ["frobnicate"],
+        "invalid choice: 'frobnicate'",
+    ),
+    (
+        "lint_two_files",
+        lambda d: ["lint", f"{d}/valid.onnx", f"{d}/junk.onnx"],
+        "unrecognized arguments",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "argv, match", [c[1:] for c in BAD_CLI], ids=[c[0] for c in BAD_CLI]
+)
+def test_bad_command_line_exits_2_with_one_error_line(
+    bad_files, capsys, argv, match
+):
+    try:
+        code = cli.main(argv(bad_files))
+    except SystemExit as exit_:  # argparse usage errors
+        code = exit_.code
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "Traceback" not in err
+    assert re.search(match, err, re.S), err

@@ -1,0 +1,55 @@
+import keras
+import pytest
+
+import keras_mp
+from tests.conftest import small_cnn
+
+
+def test_audit_reports_dtypes_and_alignment(capsys):
+    with keras_mp.enable_mixed_precision("mixed_float16"):
+        model = keras_mp.apply_mixed_precision(small_cnn())
+    report = keras_mp.mixed_precision_audit(model, batch_size=100)
+    printed = capsys.readouterr().out
+    rows = {r.name: r for r in report.layers}
+    conv = model.layers[0].name
+    assert rows[conv].compute_dtype == "float16"
+    assert rows[conv].variable_dtype == "float32"
+    assert any("input channels=1" in f for f in rows[conv].findings)
+    dense = model.layers[-1].name
+    assert rows[dense].compute_dtype == "float32"  # output kept float32
+    assert any("units=10" in f for f in rows[dense].findings)
+    assert "batch_size=100" in report.batch_finding
+    assert report.summary in printed and "Tensor Core" in report.summary
+    assert len(report.findings) == 3
+
+
+def test_audit_reaches_layers_of_nested_models():
+    inner = keras.Sequential(
+        [keras.Input((16,)), keras.layers.Dense(12, name="inner_dense")],
+        name="inner",
+    )
+    inputs = keras.Input((16,))
+    outputs = keras.layers.Dense(8, name="head")(inner(inputs))
+    report = keras_mp.mixed_precision_audit(
+        keras.Model(inputs, outputs), verbose=False
+    )
+    assert [r.name for r in report.layers] == ["inner_dense", "head"]
+    assert report.findings == [
+        "inner_dense: units=12 not a multiple of 8",
+        "head: input features=12 not a multiple of 8",
+    ]
+
+
+def test_audit_rejects_what_is_not_a_built_model():
+    with pytest.raises(
+        TypeError,
+        match=r"`mixed_precision_audit` expects a Keras 3 `keras.Model`. "
+        r"Received: builtins.str",
+    ):
+        keras_mp.mixed_precision_audit("model.keras")
+    with pytest.raises(
+        ValueError, match=r"is not built.*call `model.build\(input_shape\)`"
+    ):
+        keras_mp.mixed_precision_audit(
+            keras.Sequential([keras.layers.Dense(8)])
+        )

@@ -1,0 +1,183 @@
+"""Annotate -> apply: layer selection, Q/DQ placement, model checks."""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_mp
+from keras_mp.reference import reference_cnn
+from tests.conftest import Subclassed, tf_keras_like
+from tests.quantization.conftest import cnn
+
+L = keras.layers
+
+
+def _normalized_model():
+    inputs = keras.Input((28, 28, 1))
+    x = L.Normalization(mean=0.3, variance=0.1)(inputs)
+    inner = keras.Sequential(
+        [keras.Input((28, 28, 1)), L.Conv2D(8, 3, activation="relu")],
+        name="inner",
+    )
+    x = L.GlobalAveragePooling2D()(inner(x))
+    return keras.Model(inputs, L.Dense(10)(x))
+
+
+def test_apply_carries_state_and_disabled_equals_float():
+    model = _normalized_model()
+    qmodel = keras_mp.quantize_model(model)
+    wrapped = list(qmodel.get_layer("inner").layers)
+    assert isinstance(wrapped[0], keras_mp.QuantizeWrapper)  # nested model
+    x = np.random.default_rng(1).random((4, 28, 28, 1), dtype=np.float32)
+    keras_mp.set_quantization_enabled(qmodel, False)
+    np.testing.assert_array_equal(qmodel(x), model(x))
+    keras_mp.set_quantization_enabled(qmodel, True)
+    keras_mp.quantization.calibrate(qmodel, x, verbose=0)
+    assert not np.array_equal(qmodel(x), model(x))
+
+
+def test_residual_add_quantizes_only_the_skip_input():
+    qmodel = keras_mp.quantize_model(reference_cnn(width=8))
+    add = qmodel.get_layer("quant_res_add")
+    assert add.input_indices == [0]  # input 1 comes from conv -> BN: fused
+    concat_in = keras.Input((4, 4, 8))
+    a = L.Conv2D(8, 1)(concat_in)
+    b = L.Conv2D(8, 1)(concat_in)
+    cat = keras.Model(concat_in, L.Concatenate()([a, b]))
+    qcat = keras_mp.quantize_model(cat)
+    assert qcat.layers[-1].input_indices == [0, 1]
+
+
+def test_selection_and_config():
+    model = reference_cnn(width=8)
+    q = keras_mp.quantize_model(model, layers=["stem", L.Dense])
+    names = {
+        layer.name
+        for layer in q.layers
+        if isinstance(layer, keras_mp.QuantizeWrapper)
+    }
+    assert names == {"quant_stem", "quant_fc", "quant_logits"}
+    q = keras_mp.quantize_model(
+        model,
+        config={
+            "logits": keras_mp.QuantizeConfig(skip=True),
+            "fc": keras_mp.QuantizeConfig(per_channel=False),
+        },
+    )
+    assert "logits" in [layer.name for layer in q.layers]
+    assert q.get_layer("quant_fc").weight_ranges[0][2].shape == ()
+
+
+def test_annotate_layer_then_apply():
+    model = keras.Sequential(
+        [
+            keras.Input((6,)),
+            keras_mp.quantize_annotate_layer(L.Dense(4, name="fc")),
+            L.Dense(2, name="out"),
+        ]
+    )
+    qmodel = keras_mp.quantize_apply(model)
+    wrapped = [
+        layer.name
+        for layer in qmodel.layers
+        if isinstance(layer, keras_mp.QuantizeWrapper)
+    ]
+    assert wrapped == ["quant_fc"]
+
+
+def _flat_model():
+    return keras.Sequential(
+        [keras.Input((4, 4)), L.Flatten(name="flat"), L.Dense(2)]
+    )
+
+
+@pytest.mark.parametrize(
+    "call,error,match",
+    [
+        (
+            lambda: keras_mp.quantize_model("model.keras"),
+            TypeError,
+            r"Keras 3 `keras.Model`. Received: builtins.str",
+        ),
+        (
+            lambda: keras_mp.quantize_model(tf_keras_like()),
+            TypeError,
+            r"tf_keras \(Keras 2\) models are not supported",
+        ),
+        (
+            lambda: keras_mp.quantize_model(Subclassed()),
+            TypeError,
+            r"subclassed.*keras_mp.QuantizeWrapper\(layer\)",
+        ),
+        (
+            lambda: keras_mp.quantize_annotate_model(Subclassed()),
+            TypeError,
+            "subclassed.*rebuild it as a Functional or Sequential model",
+        ),
+        (
+            lambda: keras_mp.quantize_model(
+                keras.Sequential([keras.Input((4,)), L.ReLU()])
+            ),
+            ValueError,
+            "No quantizable layer.*Supported types: Add, AveragePooling2D, "
+            "Concatenate, Conv1D",
+        ),
+        (
+            lambda: keras_mp.quantize_model(cnn(), layers="dense_.*"),
+            ValueError,
+            r"matches layers='dense_\.\*'",
+        ),
+        (
+            lambda: keras_mp.quantize_model(cnn(), layers=3),
+            TypeError,
+            r"`layers` selects layers by name or regex.*Received: 3",
+        ),
+        (
+            lambda: keras_mp.quantize_model(_flat_model(), layers="flat"),
+            ValueError,
+            "'flat' of type Flatten cannot be quantized. Supported types",
+        ),
+        (
+            lambda: keras_mp.quantize_model(cnn(), config=8),
+            TypeError,
+            "`config` must be a QuantizeConfig or a dict.*Received: int",
+        ),
+        (
+            lambda: keras_mp.quantize_apply(cnn()),
+            ValueError,
+            "no annotated layer.*quantize_annotate_model",
+        ),
+        (
+            lambda: keras_mp.quantize_annotate_layer("dense"),
+            TypeError,
+            "Expected a Keras 3 layer. Received: str",
+        ),
+        (
+            lambda: keras_mp.quantize_annotate_layer(L.Flatten(name="flat")),
+            ValueError,
+            "'flat' of type Flatten cannot be quantized. Supported types",
+        ),
+    ],
+    ids=[
+        "path_instead_of_model",
+        "tf_keras_model",
+        "subclassed_model",
+        "annotate_subclassed_model",
+        "nothing_quantizable",
+        "selection_matches_nothing",
+        "selection_wrong_type",
+        "unsupported_layer_by_name",
+        "config_wrong_type",
+        "apply_without_annotation",
+        "annotate_layer_not_a_layer",
+        "annotate_unsupported_layer",
+    ],
+)
+def test_bad_input_names_the_fault(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
+def test_quantizing_a_quantized_model_is_rejected(quantized):
+    with pytest.raises(ValueError, match="already quantized.*strip_quantiz"):
+        keras_mp.quantize_model(quantized)
