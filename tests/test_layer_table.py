@@ -195,19 +195,14 @@ FLOAT32 = [c for c in CLASSES if ROWS[c].float32]
 CHANNELWISE = [c for c in CLASSES if ROWS[c].permute == layer_table.CHANNELWISE]
 
 
-_CONV1D_FOLD = (
-    "issue 15: tf2onnx lowers a 1-D convolution to ExpandDims + Conv; the "
-    "Unsqueeze and Transpose it leaves between the weight's "
-    "DequantizeLinear and the Conv are not folded into the initializer yet"
+_POINTWISE = (
+    "issue 16: the pointwise convolution of a separable convolution gets no "
+    "Q/DQ on its input, so TensorRT runs it in float"
 )
 # Known gaps, each a strict xfail: the marker fails once the gap is fixed.
 KNOWN_EXPORT_GAPS = {
-    L.Conv1D: _CONV1D_FOLD,
-    L.Conv1DTranspose: _CONV1D_FOLD,
-    L.DepthwiseConv1D: _CONV1D_FOLD,
-    L.SeparableConv1D: _CONV1D_FOLD,
-    L.SeparableConv2D: "issue 16: the pointwise convolution of a separable "
-    "convolution gets no Q/DQ on its input, so TensorRT runs it in float",
+    L.SeparableConv1D: _POINTWISE,
+    L.SeparableConv2D: _POINTWISE,
 }
 
 
