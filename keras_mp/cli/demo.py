@@ -39,7 +39,11 @@ BATCH = 128
 TRAIN_LEARNING_RATE = 1e-3
 # --quick: most of its time is tracing the 8 models (docs/getting-started.md).
 QUICK_TRAIN_IMAGES = 6000
-QUICK_PROBE_STEPS = 30  # mixed_float16 steps of the loss-scale probe
+# The loss-scale probe: mixed_float16 steps on small batches (CPUs without
+# float16 math run it far slower than float32; docs/getting-started.md).
+QUICK_PROBE_STEPS = 10
+FULL_PROBE_STEPS = 40
+PROBE_BATCH = 32
 
 
 def load_demo_data(quick):
@@ -70,10 +74,6 @@ def _latency_ms(path, x, repeats):
     return 1000 * float(np.median(times))
 
 
-def _steps(x):
-    return max(1, len(x) // BATCH)
-
-
 def _eval_batch(n, most=512):
     """The largest batch <= `most` that divides `n` (one traced shape), or
     `most` when that batch would be small (a second trace is cheaper)."""
@@ -91,15 +91,16 @@ def _loss_scale_probe(x, y, width, steps):
         optimizer = LossScaleOptimizer(keras.optimizers.Adam(1e-3))
         compile_classifier(model, optimizer=optimizer)
         monitor = LossScaleMonitor()
-        n = min(len(x), steps * BATCH)
+        n = min(len(x), steps * PROBE_BATCH)
         model.fit(
-            datasets.shuffled_batches(x[:n], y[:n], BATCH, seed=1),
+            datasets.shuffled_batches(x[:n], y[:n], PROBE_BATCH, seed=1),
             epochs=1,
             callbacks=[monitor],
         )
     return monitor.scale_history, {
         "policy": "mixed_float16",
-        "steps": _steps(x[:n]),
+        "steps": max(1, n // PROBE_BATCH),
+        "batch_size": PROBE_BATCH,
         "initial_scale": float(optimizer.initial_scale),
         "growth_steps": int(optimizer.dynamic_growth_steps),
         "scale_history": [float(s) for _, s in monitor.scale_history],
@@ -158,7 +159,7 @@ def run_demo(output="demo-report", quick=False, overwrite=False):
         # Show dynamic loss scaling anyway, on a short mixed_float16 run of
         # a copy (slower on a CPU, which has no float16 math units).
         scale_history, results["loss_scale_probe"] = _loss_scale_probe(
-            x, y, width, steps=QUICK_PROBE_STEPS if quick else 100
+            x, y, width, steps=QUICK_PROBE_STEPS if quick else FULL_PROBE_STEPS
         )
 
     calib = x[: 512 if quick else 2048]
