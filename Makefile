@@ -12,7 +12,7 @@ DEMO_ARGS ?=
 $(STAMP): setup.cfg pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[cpu,onnx,plot,test]"
+	$(PY) -m pip install --quiet -e ".[cpu,onnx,plot,test,docs]"
 	touch $(STAMP)
 
 $(FASHION_MNIST):
@@ -28,7 +28,6 @@ test: $(STAMP) data
 	$(PY) -m pytest -m "not slow" -q -p no:cacheprovider
 
 docs: $(STAMP)
-	$(PY) -m pip install --quiet -e ".[docs]"
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict -d site
 
 lint: $(STAMP)

@@ -17,9 +17,9 @@ from keras_mp._compat import check_tensorflow
 
 check_tensorflow()
 
-from keras_mp._keras import check_versions
+from keras_mp._keras import check_versions as _check_versions
 
-check_versions()
+_check_versions()
 
 from keras_mp.datasets import (
     load_digits,

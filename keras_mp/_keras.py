@@ -2,8 +2,9 @@
 
 Every private attribute, `keras.src` or `tensorflow.python` import that
 keras_mp relies on is here, so a Keras or TensorFlow release that moves one
-breaks this module only. Checked against Keras 3.15.1 and TensorFlow 2.21.0;
-`check_versions` warns once on a Keras outside the range verified here.
+breaks this module only, loudly. Read from Keras 3.15.1 and TensorFlow
+2.21.0 (tested there); `check_versions` warns once on a Keras outside the
+range below and fails on one that lacks a method keras_mp overrides.
 """
 
 import warnings
@@ -12,15 +13,37 @@ import keras
 from keras.src.models.functional import Functional
 from keras.src.saving.keras_saveable import KerasSaveable
 
-# Keras (major, minor) releases these internals were read from.
+# Keras (major, minor) releases whose internals match what is used here.
 VERIFIED_KERAS = ((3, 3), (3, 15))
+# Private LossScaleOptimizer hooks that keras_mp.LossScaleOptimizer
+# overrides (scale bounds, skipped-step count): renamed, they would be
+# silently bypassed, so their absence stops the import.
+LOSS_SCALE_HOOKS = (
+    "_stateful_handle_finite_grads",
+    "_stateful_handle_non_finite_grads",
+)
 _warned = []
 
 
 def check_versions():
-    """Warns, once, when Keras is newer than the releases checked here."""
+    """Fails when Keras lacks a hook keras_mp overrides; warns, once, when
+    Keras is outside the releases checked here."""
+    missing = [
+        name
+        for name in LOSS_SCALE_HOOKS
+        if not hasattr(keras.optimizers.LossScaleOptimizer, name)
+    ]
+    if missing:
+        raise ImportError(
+            f"keras {keras.__version__} has no "
+            f"LossScaleOptimizer.{', '.join(missing)}, which "
+            "keras_mp.LossScaleOptimizer overrides. Install a Keras between "
+            f"{VERIFIED_KERAS[0][0]}.{VERIFIED_KERAS[0][1]} and "
+            f"{VERIFIED_KERAS[1][0]}.{VERIFIED_KERAS[1][1]}."
+        )
     version = tuple(int(p) for p in keras.__version__.split(".")[:2])
-    if version > VERIFIED_KERAS[1] and not _warned:
+    outside = not VERIFIED_KERAS[0] <= version <= VERIFIED_KERAS[1]
+    if outside and not _warned:
         _warned.append(version)
         warnings.warn(
             f"keras_mp was verified with Keras {VERIFIED_KERAS[0][0]}."
@@ -41,7 +64,7 @@ def functional_graph(model):
     """The Functional graph of a Sequential or Functional model, or None
     for a Sequential model built without an input shape."""
     if isinstance(model, keras.Sequential):
-        return getattr(model, "_functional", None)
+        return model._functional
     return model
 
 
@@ -52,7 +75,7 @@ def nodes_by_depth(graph):
 
 def inbound_nodes(layer):
     """The nodes at which `layer` was called in Functional graphs."""
-    return list(getattr(layer, "_inbound_nodes", ()) or ())
+    return list(layer._inbound_nodes)
 
 
 def keras_history(tensor):
@@ -67,6 +90,12 @@ def producer(tensor):
     return None if history is None else history.operation
 
 
+def own_variables(layer):
+    """The variables `layer` created itself (not its sublayers'), in the
+    order its weights file stores them."""
+    return layer._trainable_variables + layer._non_trainable_variables
+
+
 def sublayers(layer):
     """The layers `layer` tracks directly (attributes, lists, a wrapper's
     inner layer), in tracking order: Keras' own layer tracker."""
@@ -78,7 +107,9 @@ def in_xla_context():
     try:
         from tensorflow.python.framework import ops
         from tensorflow.python.ops import control_flow_util
-    except ImportError:  # moved in a later TensorFlow: assume XLA
+    except ImportError:
+        # Moved in a later TensorFlow: assume XLA. The caller then adds a
+        # select that is correct either way, only slower without XLA.
         return True
     return control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph())
 

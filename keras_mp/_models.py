@@ -80,9 +80,15 @@ def walk_layers(root, include_models=False, stop_at=()):
 
 
 def reset_compiled_functions(model):
-    """Drops `model`'s traced train/test/predict functions, so the next
-    `fit`, `evaluate` or `predict` traces them again with the current
-    layer state (e.g. after turning fake quantization off)."""
-    for name in ("train_function", "test_function", "predict_function"):
+    """Makes `fit`, `evaluate` and `predict` trace their functions again,
+    with the current layer state (new constraints, quantizers turned off).
+
+    The test and predict functions are dropped; a train function is built
+    anew (not traced yet), so this also works from a callback inside `fit`,
+    which calls `model.train_function` at every step.
+    """
+    for name in ("test_function", "predict_function"):
         if getattr(model, name, None) is not None:
             setattr(model, name, None)
+    if getattr(model, "train_function", None) is not None:
+        model.make_train_function(force=True)

@@ -55,10 +55,3 @@ def atomic_write_text(path, text):
     with atomic_path(path) as tmp:
         with open(tmp, "w") as f:
             f.write(text)
-
-
-def atomic_write_bytes(path, data):
-    """Writes `data` to `path` atomically."""
-    with atomic_path(path) as tmp:
-        with open(tmp, "wb") as f:
-            f.write(data)

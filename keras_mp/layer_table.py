@@ -5,13 +5,9 @@ output-channel axes) and which inputs get a Q/DQ; sparsity reads the
 input-channel axis that 2:4 groups run along and the constraint that holds
 the mask; channel permutation reads whether a layer passes channels through;
 mixed precision reads which types stay in float32. The support matrix page
-(`docs/support_matrix.md`) is generated from this table. Supporting a new
-layer type is one row here plus one entry in the conformance list of
-`tests/test_layer_table.py`.
-
-Kernel layouts (Keras, channels last): ConvND `(..., in, out)`;
-ConvNDTranspose `(..., out, in)`; DepthwiseConvND `(..., in, multiplier)`,
-whose output channel is `in * multiplier`; Dense `(in, out)`.
+(`docs/support_matrix.md`, with the kernel layouts the axes refer to) is
+generated from this table. A new layer type is one row here plus one entry
+in `SAMPLES` of `tests/test_layer_table.py`.
 """
 
 import dataclasses

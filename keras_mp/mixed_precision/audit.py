@@ -120,7 +120,9 @@ def mixed_precision_audit(model, batch_size=None, verbose=True):
             "first."
         )
     rows = []
-    for layer in _models.walk_layers(model):
+    # A wrapper (quantize, fixed point) is one row: its inner layer and
+    # quantizers are not layers of the model's own.
+    for layer in _models.walk_layers(model, stop_at=(keras.layers.Wrapper,)):
         if isinstance(layer, keras.layers.InputLayer):
             continue
         rows.append(

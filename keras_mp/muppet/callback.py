@@ -10,6 +10,7 @@ import warnings
 import keras
 import numpy as np
 
+from keras_mp import _models
 from keras_mp.muppet.layers import (
     FixedPointWrapper,
     unscale_recorded_gradients,
@@ -196,11 +197,8 @@ class PrecisionSwitching(keras.callbacks.Callback):
         ]
         # Record gradients divided by the loss scale: the policy compares
         # epochs, which loss scaling would otherwise weigh by their scale.
-        if (
-            unscale_recorded_gradients(self._wrappers, self.model.optimizer)
-            and self.model.train_function is not None
-        ):
-            self.model.make_train_function(force=True)
+        if unscale_recorded_gradients(self._wrappers, self.model.optimizer):
+            _models.reset_compiled_functions(self.model)
         stage = int(self._state.stage.numpy())
         if stage >= len(self.schedule):
             raise ValueError(

@@ -11,6 +11,7 @@ import keras
 import numpy as np
 from keras import ops
 
+from keras_mp import _keras
 from keras_mp.muppet.quantizer import fixed_point_ste
 
 
@@ -68,7 +69,7 @@ class _RandomStateMixin:
         self.seed_generator = _SeedStream(self.seed_state)
 
     def load_own_variables(self, store):
-        own = self._trainable_variables + self._non_trainable_variables
+        own = _keras.own_variables(self)
         if len(store.keys()) == len(own) - 1:
             # Saved by keras_mp 0.1.0, before the random state was a weight:
             # load the rest and keep the fresh state.
@@ -244,7 +245,7 @@ def unscale_recorded_gradients(wrappers, optimizer):
 
     Returns:
         bool. Whether any wrapper changed: the training function must then
-        be traced again (`model.make_train_function(force=True)`).
+        be traced again (`keras_mp._models.reset_compiled_functions`).
     """
     source = optimizer if _scales_loss(optimizer) else None
     changed = False

@@ -30,7 +30,9 @@ def half_compute_dtype(model):
         for layer in walk_layers(model)
         if layer.compute_dtype in HALF_DTYPES
     }
-    return min(found) if found else None
+    if not found:
+        return None
+    return "float16" if "float16" in found else "bfloat16"
 
 
 def _float32_config(value):

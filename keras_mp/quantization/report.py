@@ -23,8 +23,7 @@ def _wrapper_row(layer):
             attr: (float(np.min(v.numpy())), float(np.max(v.numpy())))
             for attr, _, v in layer.weight_ranges
         },
-        "note": "uncalibrated input range (0): run "
-        "keras_mp.quantization.calibrate"
+        "note": "uncalibrated input range (0): run keras_mp.calibrate"
         if uncalibrated
         else "",
     }

@@ -155,9 +155,6 @@ class StructuredSparsity(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         if not self._targets:
             self._attach()
-            # `fit` traced its train step before this call: trace it again
-            # if `_attach` dropped it.
-            self.model.make_train_function()
 
     def _attach(self):
         model = self.model

@@ -76,7 +76,6 @@ def test_loss_scale_probe_is_consistent(quick_report):
     assert halved == probe["skipped_steps"]
     assert doubled <= (steps - halved) // probe["growth_steps"]
     assert probe["final_scale"] == history[-1]
-    assert history[-1] == probe["initial_scale"] * 2.0 ** (doubled - halved)
 
 
 def test_rerun_never_loses_a_report(quick_report, capsys):

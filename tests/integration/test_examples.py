@@ -7,7 +7,6 @@ itself (the ONNX file passes the TensorRT lint, the saved model reloads),
 not only that the script finished.
 """
 
-import importlib.util
 import pathlib
 import runpy
 import subprocess
@@ -133,11 +132,6 @@ def test_support_matrix_is_up_to_date():
     )
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("mkdocs") is None
-    or importlib.util.find_spec("mkdocstrings") is None,
-    reason="needs the docs extra: pip install keras-mp[docs]",
-)
 def test_docs_build_strict(tmp_path):
     result = subprocess.run(
         [

@@ -1,8 +1,9 @@
 """`.keras` files saved by an earlier release still load and compute the same.
 
-The fixtures were written by `tests/fixtures/make_fixtures.py` with the code
-from before the package moved to one folder per feature: every registered
-`keras_mp>` name and every piece of saved state must keep loading.
+The fixtures were written by `fixtures/make_fixtures.py` beside this file,
+with the code from before the package moved to one folder per feature:
+every registered `keras_mp>` name and every piece of saved state must keep
+loading.
 """
 
 import os

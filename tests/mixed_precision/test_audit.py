@@ -53,3 +53,12 @@ def test_audit_rejects_what_is_not_a_built_model():
         keras_mp.mixed_precision_audit(
             keras.Sequential([keras.layers.Dense(8)])
         )
+
+
+def test_audit_lists_a_quantize_wrapper_as_one_row():
+    qmodel = keras_mp.quantize_model(small_cnn())
+    report = keras_mp.mixed_precision_audit(qmodel, verbose=False)
+    names = [r.name for r in report.layers]
+    assert len(names) == len(set(names)) == len(qmodel.layers)
+    wrapped = [r for r in report.layers if r.class_name == "QuantizeWrapper"]
+    assert wrapped and all(r.name.startswith("quant_") for r in wrapped)

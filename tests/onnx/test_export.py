@@ -57,24 +57,30 @@ ARCHITECTURES = [
         None,
     ),
     # squeeze-excite multiplies, depthwise, swish
-    (
+    pytest.param(
         "EfficientNetB0",
         lambda: keras.applications.EfficientNetB0(
             input_shape=(32, 32, 3), weights=None, classes=10
         ),
         (32, 32, 3),
         None,
+        marks=pytest.mark.xfail(
+            strict=True,
+            reason="issue 15: keras.layers.Normalization's captured mean and "
+            "variance become ONNX graph inputs",
+        ),
+        id="EfficientNetB0",
     ),
     ("concat_transpose", _concat_transpose_model, (16, 16, 8), 4),
 ]
 
 
 @pytest.mark.parametrize(
-    "name,make,shape,weighted", ARCHITECTURES, ids=[a[0] for a in ARCHITECTURES]
+    "name,make,shape,weighted",
+    ARCHITECTURES,
+    ids=[getattr(a, "id", None) or a[0] for a in ARCHITECTURES],
 )
 def test_export_lint_clean_and_parity(name, make, shape, weighted, tmp_path):
-    if name == "EfficientNetB0" and not os.environ.get("KERAS_MP_SLOW"):
-        pytest.skip("EfficientNetB0 export takes ~1 min: KERAS_MP_SLOW=1")
     x = np.random.default_rng(0).random((32,) + shape, dtype=np.float32)
     model = make()
     qmodel = _quantized(model, x)

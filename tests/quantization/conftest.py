@@ -31,5 +31,5 @@ def images(n=32, seed=0):
 def quantized():
     """`cnn("q")` quantized and calibrated on `images()`."""
     model = keras_mp.quantize_model(cnn("q"))
-    keras_mp.quantization.calibrate(model, images(), verbose=0)
+    keras_mp.calibrate(model, images(), verbose=0)
     return model

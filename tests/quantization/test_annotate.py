@@ -32,7 +32,7 @@ def test_apply_carries_state_and_disabled_equals_float():
     keras_mp.set_quantization_enabled(qmodel, False)
     np.testing.assert_array_equal(qmodel(x), model(x))
     keras_mp.set_quantization_enabled(qmodel, True)
-    keras_mp.quantization.calibrate(qmodel, x, verbose=0)
+    keras_mp.calibrate(qmodel, x, verbose=0)
     assert not np.array_equal(qmodel(x), model(x))
 
 

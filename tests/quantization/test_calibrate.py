@@ -14,7 +14,7 @@ from tests.quantization.conftest import cnn, images
 def test_calibrate_reports_every_quantizer(digits):
     (x, _), _ = digits
     qmodel = keras_mp.quantize_model(small_cnn((8, 8, 1)))
-    report = keras_mp.quantization.calibrate(
+    report = keras_mp.calibrate(
         qmodel, x[:256], method="max", batch_size=64, verbose=0
     )
     assert report.batches == 4 and report.samples == 256
@@ -26,7 +26,7 @@ def test_calibrate_reports_every_quantizer(digits):
         q = qmodel.get_layer(layer_name).input_quantizers[0]
         assert float(q.amax.numpy()) == pytest.approx(amax)
     assert first in str(report)
-    report = keras_mp.quantization.calibrate(
+    report = keras_mp.calibrate(
         qmodel, x[:256], batch_size=64, num_batches=2, verbose=0
     )
     assert report.batches == 2 and report.samples == 128
@@ -45,7 +45,7 @@ def test_array_dataset_and_generator_give_identical_ranges():
     }
     for method in ("max", "percentile", "entropy", "mse"):
         ranges = {
-            name: keras_mp.quantization.calibrate(
+            name: keras_mp.calibrate(
                 model, make(), method=method, batch_size=16, verbose=0
             ).ranges
             for name, make in sources.items()
@@ -64,9 +64,7 @@ def test_four_bit_layers_get_four_bit_ranges(method):
     for bits in (8, 4):
         config = keras_mp.QuantizeConfig(num_bits=bits)
         qmodel = keras_mp.quantize_model(cnn(), config=config)
-        report = keras_mp.quantization.calibrate(
-            qmodel, x, method=method, verbose=0
-        )
+        report = keras_mp.calibrate(qmodel, x, method=method, verbose=0)
         ranges[bits] = report.ranges
     for name, eight in ranges[8].items():
         assert ranges[4][name] < 0.9 * eight, (name, ranges[4][name], eight)
@@ -78,7 +76,7 @@ def test_qat_with_frozen_ranges_keeps_activation_ranges(fashion_small):
     model.fit(x, y, epochs=3, batch_size=64, verbose=0)
     float_acc = model.evaluate(xt, yt, verbose=0)[1]
     qmodel = keras_mp.quantize_model(model)
-    report = keras_mp.quantization.calibrate(qmodel, x[:512], verbose=0)
+    report = keras_mp.calibrate(qmodel, x[:512], verbose=0)
     compile_classifier(qmodel, learning_rate=1e-4)
     qmodel.fit(x, y, epochs=1, batch_size=64, verbose=0)
     for name, amax in report.ranges.items():
@@ -92,26 +90,24 @@ def test_qat_with_frozen_ranges_keeps_activation_ranges(fashion_small):
 def _inf_in_second_batch(model):
     x = images()
     x[20, 1, 2, 3] = np.inf
-    keras_mp.quantization.calibrate(model, x, batch_size=16, verbose=0)
+    keras_mp.calibrate(model, x, batch_size=16, verbose=0)
 
 
 def _nan_inside(model):
     model = keras_mp.quantize_model(cnn("nan_inside"))
     conv = model.get_layer("quant_conv").layer
     conv.kernel.assign(np.full(conv.kernel.shape, np.nan, "float32"))
-    keras_mp.quantization.calibrate(model, images(), verbose=0)
+    keras_mp.calibrate(model, images(), verbose=0)
 
 
 def _calibrate(data, **kwargs):
-    return lambda model: keras_mp.quantization.calibrate(
-        model, data, verbose=0, **kwargs
-    )
+    return lambda model: keras_mp.calibrate(model, data, verbose=0, **kwargs)
 
 
 X = images()
 BAD = {
     "calibrate_float_model": (
-        lambda model: keras_mp.quantization.calibrate(cnn(), X, verbose=0),
+        lambda model: keras_mp.calibrate(cnn(), X, verbose=0),
         ValueError,
         "no activation quantizer.*keras_mp.quantize_model",
     ),
@@ -173,7 +169,7 @@ BAD = {
     ),
     "calibrate_number_as_data": (_calibrate(5), TypeError, "Received: int"),
     "calibrate_path_instead_of_model": (
-        lambda model: keras_mp.quantization.calibrate("model.keras", X),
+        lambda model: keras_mp.calibrate("model.keras", X),
         TypeError,
         r"`calibrate` expects a Keras 3 `keras.Model`",
     ),

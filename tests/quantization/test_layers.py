@@ -51,7 +51,7 @@ def test_layer_conformance(name, make, shape, tmp_path):
     qmodel = keras_mp.quantize_model(model)
     wrapper = qmodel.layers[1]
     assert isinstance(wrapper, keras_mp.QuantizeWrapper)
-    keras_mp.quantization.calibrate(qmodel, x, verbose=0)
+    keras_mp.calibrate(qmodel, x, verbose=0)
     want, got = model(x), qmodel(x)
     assert got.shape == want.shape
     rel = np.linalg.norm(got - want) / np.linalg.norm(want)
@@ -107,7 +107,7 @@ def test_mixed_precision_qat_trains_under_xla():
     qmodel = keras_mp.quantize_model(model)
     x = np.random.default_rng(0).random((32, 28, 28, 1), dtype=np.float32)
     y = np.arange(32) % 10
-    keras_mp.quantization.calibrate(qmodel, x, verbose=0)
+    keras_mp.calibrate(qmodel, x, verbose=0)
     assert qmodel.layers[1].compute_dtype == "float16"
     compile_classifier(qmodel, jit_compile=True)
     history = qmodel.fit(x, y, epochs=3, batch_size=16, verbose=0)
@@ -118,7 +118,7 @@ def test_mixed_precision_qat_trains_under_xla():
 def test_weights_only_save_load(tmp_path):
     model = keras_mp.quantize_model(small_cnn((8, 8, 1)))
     x = np.random.default_rng(0).random((8, 8, 8, 1), dtype=np.float32)
-    keras_mp.quantization.calibrate(model, x, verbose=0)
+    keras_mp.calibrate(model, x, verbose=0)
     model.save_weights(tmp_path / "w.weights.h5")
     other = keras_mp.quantize_model(small_cnn((8, 8, 1)))
     other.load_weights(tmp_path / "w.weights.h5")

@@ -24,7 +24,7 @@ def test_report_says_what_is_left_to_do():
     rows = keras_mp.quantization_report(
         keras_mp.quantize_model(cnn()), verbose=False
     )
-    assert "run keras_mp.quantization.calibrate" in rows[0]["note"]
+    assert "run keras_mp.calibrate" in rows[0]["note"]
     rows = keras_mp.quantization_report(cnn(), verbose=False)
     assert not any(r["quantized"] for r in rows)
     assert rows[0]["note"] == "not selected, or skipped by QuantizeConfig"

@@ -14,6 +14,7 @@ from keras_mp.sparsity.permutation import (
     search_permutation,
 )
 from keras_mp.sparsity.report import plot_sparsity, sparsity_report
+from tests.conftest import Subclassed
 
 L = keras.layers
 
@@ -229,14 +230,6 @@ def test_layers_that_cannot_follow_are_left_alone():
 
 
 def test_bad_models_and_optimizer_state():
-    class Subclassed(keras.Model):
-        def __init__(self):
-            super().__init__()
-            self.dense = L.Dense(4)
-
-        def call(self, x):
-            return self.dense(x)
-
     with pytest.raises(TypeError, match="subclassed Subclassed"):
         permute_for_sparsity(Subclassed())
     with pytest.raises(TypeError, match="Keras 3 `keras.Model`"):
