@@ -51,6 +51,7 @@ from keras_mp.onnx import (
     LintReport,
     ParityError,
     check_tensorrt,
+    compare_onnx,
     export_onnx,
     export_saved_model,
     trtexec_command,

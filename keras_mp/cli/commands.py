@@ -8,6 +8,7 @@ functions, nothing more.
 import argparse
 import sys
 
+from keras_mp.cli.compare import compare_command_parser
 from keras_mp.cli.demo import demo_command_parser
 from keras_mp.cli.export import export_command_parser
 from keras_mp.cli.info import info_command_parser
@@ -18,6 +19,7 @@ _PARSERS = (
     demo_command_parser,
     export_command_parser,
     lint_command_parser,
+    compare_command_parser,
 )
 
 

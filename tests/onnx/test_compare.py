@@ -1,0 +1,103 @@
+"""`compare_onnx`: per-layer Keras vs ONNX Runtime errors that find the
+layer where an exported graph goes wrong."""
+
+import keras
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+
+import keras_mp
+from keras_mp.quantization.layers import QuantizeWrapper
+from tests.conftest import Subclassed, small_cnn
+
+
+def break_second_conv(path, out):
+    """Negates part of the second Conv's INT8 weights; returns `out`."""
+    proto = onnx.load(path)
+    producers = {o: n for n in proto.graph.node for o in n.output}
+    conv = [n for n in proto.graph.node if n.op_type == "Conv"][1]
+    weight = producers[conv.input[1]].input[0]
+    init = next(i for i in proto.graph.initializer if i.name == weight)
+    values = numpy_helper.to_array(init).copy()
+    values.flat[: values.size // 4] *= -1
+    init.CopyFrom(numpy_helper.from_array(values, init.name))
+    onnx.save(proto, out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """A small quantized, calibrated CNN and its ONNX export."""
+    keras.utils.set_random_seed(0)
+    x = np.random.default_rng(0).random((32, 16, 16, 1), dtype=np.float32)
+    qmodel = keras_mp.quantize_model(small_cnn((16, 16, 1)))
+    keras_mp.calibrate(qmodel, x, verbose=0)
+    path = str(tmp_path_factory.mktemp("compare") / "m.onnx")
+    keras_mp.export_onnx(qmodel, path)
+    return qmodel, path, x
+
+
+def test_clean_export_matches_every_layer_within_one_step(exported):
+    qmodel, path, x = exported
+    report = keras_mp.compare_onnx(qmodel, path, x)
+    assert report.samples == 32
+    assert [r.name for r in report.rows] == [
+        layer.name for layer in qmodel.layers
+    ]
+    quantized = [r for r in report.rows if r.kind.startswith("Quantize")]
+    assert len(quantized) == sum(
+        isinstance(layer, QuantizeWrapper) for layer in qmodel.layers
+    )
+    assert all(r.steps is not None and r.steps <= 1.0 for r in quantized)
+    assert max(r.rel_l2 for r in report.rows) < 1e-5
+    assert report.first_divergence is None
+    assert "no layer diverges" in str(report)
+    assert report.to_markdown().count("\n") == len(report.rows) + 1
+
+
+def test_broken_weight_is_found_at_its_layer(exported, tmp_path):
+    qmodel, path, x = exported
+    bad = break_second_conv(path, str(tmp_path / "bad.onnx"))
+    report = keras_mp.compare_onnx(qmodel, bad, x, samples=8)
+    second_conv = [
+        layer.name
+        for layer in qmodel.layers
+        if isinstance(layer, QuantizeWrapper)
+        and isinstance(layer.layer, keras.layers.Conv2D)
+    ][1]
+    assert report.samples == 8
+    assert report.first_divergence.name == second_conv
+    before = report.rows[: report.first_divergence.depth]
+    assert not any(r.diverged for r in before)
+    # the damage reaches the next Q/DQ as many quantization steps
+    assert report.rows[-1].steps > 1.0
+    assert f"first divergence at layer {second_conv!r}" in str(report)
+
+
+def test_plot_writes_a_png(exported, tmp_path):
+    qmodel, path, x = exported
+    report = keras_mp.compare_onnx(qmodel, path, x[:4])
+    out = report.plot(str(tmp_path / "err.png"))
+    with open(out, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bad_inputs_say_what_was_wrong(exported, tmp_path):
+    qmodel, path, x = exported
+    never_called = keras.Sequential([keras.layers.Dense(4)])
+    with pytest.raises(ValueError, match="never been called"):
+        keras_mp.compare_onnx(never_called, path, x)
+    with pytest.raises(TypeError, match="subclassed"):
+        keras_mp.compare_onnx(Subclassed(), path, x)
+    with pytest.raises(ValueError, match=r"shape \(4, 8, 8, 1\).*expects"):
+        keras_mp.compare_onnx(qmodel, path, x[:4, :8, :8])
+    with pytest.raises(FileNotFoundError, match="missing.onnx"):
+        keras_mp.compare_onnx(qmodel, str(tmp_path / "missing.onnx"), x)
+    inputs = keras.Input((16, 16, 1))
+    other = keras.Model(
+        inputs,
+        keras.layers.Dense(3, name="head")(keras.layers.Flatten()(inputs)),
+    )
+    with pytest.raises(ValueError, match="not an export of this model"):
+        keras_mp.compare_onnx(other, path, x)
