@@ -101,3 +101,22 @@ def test_bad_inputs_say_what_was_wrong(exported, tmp_path):
     )
     with pytest.raises(ValueError, match="not an export of this model"):
         keras_mp.compare_onnx(other, path, x)
+
+
+def test_functional_residual_depthwise_model(tmp_path):
+    from keras_mp.reference import reference_cnn
+
+    x = np.random.default_rng(0).random((16, 28, 28, 1), dtype=np.float32)
+    qmodel = keras_mp.quantize_model(reference_cnn(width=8))
+    keras_mp.calibrate(qmodel, x, verbose=0)
+    path = str(tmp_path / "ref.onnx")
+    keras_mp.export_onnx(qmodel, path)
+    report = keras_mp.compare_onnx(qmodel, path, x)
+    assert report.unmatched == []
+    assert len(report.rows) == len(qmodel.layers) - 1  # all but the input
+    weighted = [r for r in report.rows if "Conv" in r.kind or "Dense" in r.kind]
+    # quant_res_a's input Q/DQ is merged by tf2onnx with the one of the
+    # residual branch it shares its input with, under another layer's name
+    no_steps = [r.name for r in weighted if r.steps is None]
+    assert len(weighted) == 8 and no_steps == ["quant_res_a"]
+    assert report.first_divergence is None
