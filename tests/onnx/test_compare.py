@@ -115,8 +115,10 @@ def test_functional_residual_depthwise_model(tmp_path):
     assert report.unmatched == []
     assert len(report.rows) == len(qmodel.layers) - 1  # all but the input
     weighted = [r for r in report.rows if "Conv" in r.kind or "Dense" in r.kind]
-    # quant_res_a's input Q/DQ is merged by tf2onnx with the one of the
+    assert len(weighted) == 8
+    # quant_res_a's input Q/DQ can be merged by tf2onnx with the one of the
     # residual branch it shares its input with, under another layer's name
-    no_steps = [r.name for r in weighted if r.steps is None]
-    assert len(weighted) == 8 and no_steps == ["quant_res_a"]
+    # (which one depends on tf2onnx's node order): then it has no step count
+    stepped = [r for r in weighted if r.steps is not None]
+    assert len(stepped) >= 7 and all(r.steps <= 1 for r in stepped)
     assert report.first_divergence is None
