@@ -126,3 +126,45 @@ class SaveableState(KerasSaveable):
 
     def _obj_type(self):
         return "Loss"
+
+
+# Function attributes that keep grappler from inlining a call: Keras' TF
+# backend runs grouped convolutions through `tf.function(jit_compile=True)`,
+# whose call nodes carry them, and tf2onnx cannot convert the
+# `(Stateful)PartitionedCall` nodes left behind.
+NO_INLINE_ATTRS = ("_XlaMustCompile", "_noinline")
+
+
+def frozen_graph_def(concrete_function):
+    """A concrete function frozen to a GraphDef that grappler can inline.
+
+    Variables and captured eager tensors (the mean and variance of
+    `keras.layers.Normalization`) become constants, so the graph's only
+    inputs are the function's own arguments; `NO_INLINE_ATTRS` are removed
+    from every call node and library function.
+
+    Args:
+        concrete_function: a `tf.function`'s concrete function.
+
+    Returns:
+        `(graph_def, input_names, output_names)`, tensor names such as
+        `"input_0:0"`.
+    """
+    from tensorflow.python.framework.convert_to_constants import (
+        convert_variables_to_constants_v2,
+    )
+
+    frozen = convert_variables_to_constants_v2(concrete_function)
+    graph_def = frozen.graph.as_graph_def()
+    nodes = list(graph_def.node)
+    for function in graph_def.library.function:
+        nodes.extend(function.node_def)
+        for attr in NO_INLINE_ATTRS:
+            if attr in function.attr:
+                del function.attr[attr]
+    for node in nodes:
+        for attr in NO_INLINE_ATTRS:
+            if attr in node.attr:
+                del node.attr[attr]
+    inputs = [t.name for t in frozen.inputs if t.dtype.name != "resource"]
+    return graph_def, inputs, [t.name for t in frozen.outputs]

@@ -10,6 +10,7 @@ from keras_mp._compat import optional_import
 from keras_mp._models import check_model, walk_layers
 from keras_mp.io import atomic_path
 from keras_mp.onnx import fp16 as onnx_fp16
+from keras_mp.onnx.convert import function_to_onnx
 from keras_mp.onnx.errors import ExportError
 from keras_mp.onnx.fold import fold_weight_qdq
 from keras_mp.onnx.parity import check_parity
@@ -152,7 +153,7 @@ def export_onnx(
 
     >>> keras_mp.export_onnx(qmodel, "model.onnx", verify_data=x_test[:1000])
     """
-    tf2onnx = optional_import("tf2onnx")
+    optional_import("tf2onnx")
     onnx = optional_import("onnx")
     if opset is None:
         opset = onnx_fp16.MIN_OPSET if fp16 else 17
@@ -180,17 +181,12 @@ def export_onnx(
     _check_exportable(model)
     traced = float32_twin(model) if half_compute_dtype(model) else model
     serve, signature = _trace(traced)
-    try:
-        proto, _ = tf2onnx.convert.from_function(
-            serve,
-            input_signature=signature,
-            opset=min(opset, _TF2ONNX_MAX_OPSET),
-            inputs_as_nchw=inputs_as_nchw,
-        )
-    except Exception as e:  # tf2onnx raises bare exceptions for unknown ops
-        raise ExportError(
-            f"tf2onnx could not convert model {model.name!r}: {e}"
-        ) from e
+    proto = function_to_onnx(
+        serve,
+        model,
+        opset=min(opset, _TF2ONNX_MAX_OPSET),
+        inputs_as_nchw=inputs_as_nchw,
+    )
     if max_rel_l2 is None:
         max_rel_l2 = 0.05 if fp16 else 0.01
     if min_top1_agreement is None:

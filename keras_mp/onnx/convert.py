@@ -1,0 +1,198 @@
+"""TensorFlow function -> ONNX through tf2onnx, on a frozen graph.
+
+`export_onnx` traces the model, freezes the trace (variables and captured
+eager tensors become constants; calls Keras compiles with XLA are made
+inlinable) and converts the GraphDef with `tf2onnx.convert.from_graph_def`.
+Ops tf2onnx has no converter for go through `OP_HANDLERS`; an op that is
+still left raises an `ExportError` naming the Keras layer, and an
+optimizer tf2onnx skips after a crash is reported in a warning.
+`docs/export.md` ("Real Keras models") has the causes.
+"""
+
+import contextlib
+import logging
+import re
+import warnings
+
+import numpy as np
+
+from keras_mp import _keras
+from keras_mp._compat import optional_import
+from keras_mp._models import walk_layers
+from keras_mp.onnx.errors import ExportError
+
+
+def _erfc_as_one_minus_erf(ctx, node, name, args):
+    """`Erfc(x)` -> `1 - Erf(x)` (exact GELU lowers to Erfc).
+
+    Exact where it matters: `1 - erf(x)` differs from `erfc(x)` by float32
+    rounding of the subtraction only (at most ~6e-8 absolute), and GELU
+    multiplies the result by `x / 2`.
+    """
+    onnx = optional_import("onnx")
+    tf2onnx = optional_import("tf2onnx")
+    dtype = onnx.helper.tensor_dtype_to_np_dtype(ctx.get_dtype(node.input[0]))
+    erf = ctx.make_node("Erf", [node.input[0]])
+    one = ctx.make_const(
+        tf2onnx.utils.make_name(f"{name}/one"), np.array(1, dtype)
+    )
+    node.type = "Sub"
+    ctx.replace_inputs(node, [one.output[0], erf.output[0]])
+
+
+# TF op -> handler for ops tf2onnx 1.17 has no converter for. A handler is
+# `fn(ctx, node, name, args)` on tf2onnx's graph (its `custom_op_handlers`
+# API); each one has its own test in tests/onnx/test_convert.py.
+OP_HANDLERS = {
+    "Erfc": _erfc_as_one_minus_erf,
+}
+
+
+class _Records(logging.Handler):
+    """Keeps the log records tf2onnx emits during one conversion."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.records = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
+@contextlib.contextmanager
+def _tf2onnx_log():
+    logger = logging.getLogger("tf2onnx")
+    handler = _Records()
+    logger.addHandler(handler)
+    try:
+        yield handler.records
+    finally:
+        logger.removeHandler(handler)
+
+
+def keras_layers_of(op_name, model):
+    """The Keras layer path an op of the traced graph came from.
+
+    TF names an op after the name scopes it was created in, and Keras opens
+    one scope per layer call (`functional/conv2d_1/convolution`): TF adds a
+    `_<n>` suffix when a scope name repeats, so a segment matches a layer
+    named either way.
+
+    Args:
+        op_name: str. A TF op (or ONNX node) name.
+        model: the `keras.Model` that was traced.
+
+    Returns:
+        The list of layer names, outermost first (empty when none matches).
+    """
+    names = {layer.name for layer in walk_layers(model)} | {model.name}
+    found = []
+    for segment in op_name.split("/")[:-1]:
+        base = re.sub(r"_\d+$", "", segment)
+        if segment in names:
+            found.append(segment)
+        elif base in names:
+            found.append(base)
+    return found
+
+
+def _unconvertible(proto):
+    """Nodes of `proto` that are no ONNX operator (tf2onnx left the TF op)."""
+    onnx = optional_import("onnx")
+    return [
+        node
+        for node in proto.graph.node
+        if node.domain in ("", "ai.onnx")
+        and not onnx.defs.has(node.op_type, "")
+    ]
+
+
+def _raise_unconvertible(nodes, model):
+    lines = []
+    for node in nodes[:10]:
+        layers = keras_layers_of(node.name, model)
+        where = f"layer {layers[-1]!r}" if layers else "no Keras layer"
+        lines.append(f"{node.op_type} (op {node.name!r}, {where})")
+    more = f" and {len(nodes) - 10} more" if len(nodes) > 10 else ""
+    ops = sorted({n.op_type for n in nodes})
+    raise ExportError(
+        f"tf2onnx cannot convert the TensorFlow op(s) {', '.join(ops)} of "
+        f"model {model.name!r}: {'; '.join(lines)}{more}. Replace the "
+        "layer's computation with ops ONNX has (for example the tanh "
+        "approximation, `approximate=True`, for GELU), or add a handler "
+        "for the op to keras_mp.onnx.convert.OP_HANDLERS. Nothing was "
+        "written."
+    )
+
+
+def _warn_failed_optimizers(records, model):
+    failed = sorted(
+        {
+            r.args[0]
+            for r in records
+            if r.name.startswith("tf2onnx.optimizer")
+            and r.msg == "Failed to apply %s"
+            and r.args
+        }
+    )
+    if not failed:
+        return
+    warnings.warn(
+        f"tf2onnx's {', '.join(failed)} optimizer(s) crashed on model "
+        f"{model.name!r} and were skipped: the ONNX graph is correct but "
+        "less optimized than it could be (a skipped transpose optimizer "
+        "leaves NHWC<->NCHW Transpose nodes around the convolutions, which "
+        "cost time in ONNX Runtime; TensorRT folds most of them).",
+        UserWarning,
+        stacklevel=4,
+    )
+
+
+def function_to_onnx(serve, model, opset, inputs_as_nchw=None):
+    """Converts a traced `tf.function` of `model` to an ONNX ModelProto.
+
+    Args:
+        serve: a `tf.function` with an input signature whose specs are
+            named (`input_0`, ...): the ONNX inputs keep those names.
+        model: the `keras.Model` that `serve` calls (named in messages).
+        opset: int. The ONNX opset, <= 18 (tf2onnx 1.17's last).
+        inputs_as_nchw: list of input names to expose as NCHW, or None.
+
+    Returns:
+        The `onnx.ModelProto`.
+
+    Raises:
+        ExportError: tf2onnx failed, or left an op ONNX does not have.
+    """
+    tf2onnx = optional_import("tf2onnx")
+    concrete = serve.get_concrete_function()
+    graph_def, inputs, outputs = _keras.frozen_graph_def(concrete)
+    specs = [s.name for s in concrete.structured_input_signature[0]]
+    rename = dict(zip(inputs, specs))
+    by_spec = {spec: tensor for tensor, spec in rename.items()}
+    nchw = None
+    if inputs_as_nchw:
+        nchw = [by_spec.get(n, n) for n in inputs_as_nchw]
+    with _tf2onnx_log() as records:
+        try:
+            proto, _ = tf2onnx.convert.from_graph_def(
+                graph_def,
+                input_names=inputs,
+                output_names=outputs,
+                opset=opset,
+                inputs_as_nchw=nchw,
+                custom_op_handlers={
+                    op: (fn, []) for op, fn in OP_HANDLERS.items()
+                },
+                tensors_to_rename=rename,
+            )
+        except Exception as e:  # tf2onnx raises bare exceptions
+            raise ExportError(
+                f"tf2onnx could not convert model {model.name!r} "
+                f"({type(e).__name__}: {e}). Nothing was written."
+            ) from e
+    nodes = _unconvertible(proto)
+    if nodes:
+        _raise_unconvertible(nodes, model)
+    _warn_failed_optimizers(records, model)
+    return proto
