@@ -7,6 +7,7 @@ breaks this module only, loudly. Read from Keras 3.15.1 and TensorFlow
 range below and fails on one that lacks a method keras_mp overrides.
 """
 
+import re
 import warnings
 
 import keras
@@ -168,3 +169,26 @@ def frozen_graph_def(concrete_function):
                 del node.attr[attr]
     inputs = [t.name for t in frozen.inputs if t.dtype.name != "resource"]
     return graph_def, inputs, [t.name for t in frozen.outputs]
+
+
+def inputs_are_dict(model):
+    """Whether a Functional `model` was built from a dict of inputs (and so
+    is called with a dict keyed like it), e.g. keras-hub backbones."""
+    return isinstance(getattr(model, "_inputs_struct", None), dict)
+
+
+_AUTO_INPUT_NAME = re.compile(r"(keras_tensor|input_layer)(_\d+)?")
+
+
+def input_names(model):
+    """The names of `model.inputs`, in order, as a user calls them: the
+    dict keys of a model built from a dict (flattened sorted, as Keras
+    does), else the input tensors' names. An input Keras named itself
+    (`keras_tensor_<n>`, `input_layer_<n>`: a counter that changes with
+    what the process built before, e.g. on reload) is `input_<i>`."""
+    if inputs_are_dict(model):
+        return sorted(model._inputs_struct)
+    return [
+        f"input_{i}" if _AUTO_INPUT_NAME.fullmatch(t.name) else t.name
+        for i, t in enumerate(model.inputs)
+    ]

@@ -9,14 +9,16 @@ def export_command_parser(subparsers):
     parser.add_argument("--onnx", help="write this .onnx file")
     parser.add_argument("--saved-model", help="write this SavedModel folder")
     parser.add_argument(
-        "--calibrate", help="a .npy of inputs: quantize and calibrate first"
+        "--calibrate",
+        help="inputs (a .npy, or an .npz with one array per model input "
+        "name): quantize and calibrate first",
     )
     parser.add_argument(
         "--method", default="max", help="calibrator (max, percentile, ...)"
     )
     parser.add_argument(
         "--verify",
-        help="a .npy of inputs for the parity check (default: the "
+        help="inputs for the parity check, as --calibrate's (default: the "
         "--calibrate data)",
     )
     parser.add_argument(
@@ -34,13 +36,23 @@ def export_command_parser(subparsers):
     parser.set_defaults(func=export_command)
 
 
-def _load_npy(path):
+def _load_inputs(path):
+    """A .npy array, or an .npz as a dict of its arrays by name (its one
+    array when it holds one, for a one-input model)."""
     import numpy as np
 
     try:
-        return np.load(path)
+        data = np.load(path)
+        if isinstance(data, np.lib.npyio.NpzFile):
+            with data:
+                data = {name: data[name] for name in data.files}
     except (OSError, ValueError) as e:
-        raise ValueError(f"Could not read {path} as a .npy array: {e}") from e
+        raise ValueError(
+            f"Could not read {path} as a .npy array or .npz of arrays: {e}"
+        ) from e
+    if isinstance(data, dict) and len(data) == 1:
+        return next(iter(data.values()))
+    return data
 
 
 def export_command(args):
@@ -63,11 +75,11 @@ def export_command(args):
         model = keras_mp.quantize_model(model)
         print(
             keras_mp.calibrate(
-                model, _load_npy(args.calibrate), method=args.method
+                model, _load_inputs(args.calibrate), method=args.method
             )
         )
     verify = (
-        _load_npy(args.verify or args.calibrate)
+        _load_inputs(args.verify or args.calibrate)
         if (args.verify or args.calibrate)
         else None
     )

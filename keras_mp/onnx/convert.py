@@ -153,7 +153,8 @@ def function_to_onnx(serve, model, opset, inputs_as_nchw=None):
 
     Args:
         serve: a `tf.function` with an input signature whose specs are
-            named (`input_0`, ...): the ONNX inputs keep those names.
+            named after the Keras inputs: the ONNX inputs keep those names
+            and dtypes.
         model: the `keras.Model` that `serve` calls (named in messages).
         opset: int. The ONNX opset, <= 18 (tf2onnx 1.17's last).
         inputs_as_nchw: list of input names to expose as NCHW, or None.

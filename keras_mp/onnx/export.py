@@ -6,6 +6,7 @@ import os
 
 import numpy as np
 
+from keras_mp import _inputs
 from keras_mp._compat import optional_import
 from keras_mp._models import check_model, walk_layers
 from keras_mp.io import atomic_path
@@ -13,7 +14,12 @@ from keras_mp.onnx import fp16 as onnx_fp16
 from keras_mp.onnx.convert import function_to_onnx
 from keras_mp.onnx.errors import ExportError
 from keras_mp.onnx.fold import fold_weight_qdq
-from keras_mp.onnx.parity import check_parity
+from keras_mp.onnx.parity import (
+    check_parity,
+    flat_outputs,
+    output_names,
+    verify_inputs,
+)
 from keras_mp.onnx.twin import float32_twin, half_compute_dtype
 from keras_mp.quantization.layers import QuantizeActivation, QuantizeWrapper
 
@@ -68,31 +74,31 @@ def _check_exportable(model):
         )
 
 
-def _input_signature(model):
-    import tensorflow as tf
-
-    return [
-        tf.TensorSpec(
-            (None,) + tuple(t.shape[1:]), tf.float32, name=f"input_{i}"
-        )
-        for i, t in enumerate(model.inputs)
-    ]
-
-
 def _trace(model):
+    """A `tf.function` serving `model`: one argument per model input, named
+    after it and of its dtype; float outputs as float32, flattened (dict
+    outputs by sorted key). Its `output_names` attribute names them."""
     import tensorflow as tf
 
-    signature = _input_signature(model)
+    specs = _inputs.input_specs(model, "export_onnx", ExportError)
+    signature = [
+        tf.TensorSpec((None,) + s.shape[1:], s.dtype, name=s.name)
+        for s in specs
+    ]
+    names = []
 
     @tf.function(input_signature=signature)
     def serve(*inputs):
-        out = model(
-            list(inputs) if len(inputs) > 1 else inputs[0], training=False
-        )
-        outs = out if isinstance(out, (list, tuple)) else [out]
-        return [tf.cast(o, tf.float32) for o in outs]
+        out = model(_inputs.call_arg(model, inputs, specs), training=False)
+        names[:] = output_names(out, model)
+        return [
+            tf.cast(o, tf.float32) if o.dtype.is_floating else o
+            for o in flat_outputs(out)
+        ]
 
-    return serve, signature
+    serve.get_concrete_function()
+    serve.output_names = names
+    return serve
 
 
 def export_onnx(
@@ -105,6 +111,7 @@ def export_onnx(
     min_top1_agreement=None,
     max_rel_l2=None,
     fp16=False,
+    allow_lint_violations=False,
 ):
     """Exports a Keras model to ONNX with TensorRT-style Q/DQ.
 
@@ -128,8 +135,11 @@ def export_onnx(
             or 19 with `fp16=True`.
         inputs_as_nchw: list of input names to expose as NCHW. Defaults to
             None (NHWC, as the Keras model).
-        verify_data: NumPy array. When given, compare ONNX Runtime with
-            Keras on it (see `verify_onnx`) before the file lands.
+        verify_data: what the model takes (one array; a list, or a dict by
+            input name, for several inputs; a tf.data.Dataset or iterable
+            of such batches, labels ignored). When given, compare ONNX
+            Runtime with Keras on it, output by output (see `verify_onnx`),
+            before the file lands.
         overwrite: bool. Replace an existing file. Defaults to False.
         min_top1_agreement: float. Parity tolerance. Defaults to 0.999,
             or 0.99 with `fp16=True`.
@@ -139,6 +149,16 @@ def export_onnx(
         fp16: bool. Cast everything that is not INT8 to float16 (inputs and
             outputs stay float32) for a strongly typed TensorRT build, Q/DQ
             scales included; needs opset >= 19. Defaults to False.
+        allow_lint_violations: bool. For a model keras_mp quantized
+            (`quantize_model`), a graph that breaks the TensorRT contract
+            (`check_tensorrt`) raises an ExportError; True writes it with a
+            warning instead. Graphs keras_mp did not quantize (float
+            models, Keras' own `model.quantize`) only ever warn. Defaults
+            to False.
+
+    The ONNX graph has one input per model input, named after the Keras
+    input and of its dtype (int32 token ids stay int32), and one output
+    per model output (a dict's by sorted key).
 
     Returns:
         `ParityReport` when `verify_data` was given, else None.
@@ -146,7 +166,8 @@ def export_onnx(
     Raises:
         ExportError: not exportable (never called, uncalibrated ranges,
             opset < 13, existing file without `overwrite`, an op tf2onnx
-            cannot convert).
+            cannot convert, `verify_data` that does not fit the inputs, a
+            TensorRT contract violation in a graph keras_mp quantized).
         ParityError: ONNX Runtime disagrees with Keras past the tolerance.
 
     Example:
@@ -179,8 +200,10 @@ def export_onnx(
             "replace it."
         )
     _check_exportable(model)
+    if verify_data is not None:
+        verify_data = verify_inputs(model, verify_data)
     traced = float32_twin(model) if half_compute_dtype(model) else model
-    serve, signature = _trace(traced)
+    serve = _trace(traced)
     proto = function_to_onnx(
         serve,
         model,
@@ -199,7 +222,7 @@ def export_onnx(
         except ValueError as e:
             raise ExportError(str(e)) from e
     onnx.checker.check_model(proto)
-    _warn_if_not_tensorrt_ready(model, proto)
+    _check_tensorrt_contract(model, proto, allow_lint_violations)
     report = None
     with atomic_path(path) as tmp:
         onnx.save(proto, tmp)
@@ -215,9 +238,18 @@ def export_onnx(
     return report
 
 
-def _warn_if_not_tensorrt_ready(model, proto):
-    """A warning when the graph breaks the TensorRT contract, e.g. a model
-    quantized by Keras' own `model.quantize("int8")` (MatMulInteger)."""
+def _quantized_by_keras_mp(model):
+    return any(
+        isinstance(layer, (QuantizeWrapper, QuantizeActivation))
+        for layer in walk_layers(model, stop_at=(QuantizeWrapper,))
+    )
+
+
+def _check_tensorrt_contract(model, proto, allow_lint_violations):
+    """`check_tensorrt` on the graph before it is written: an ExportError
+    when keras_mp placed the Q/DQ itself (a violation is then a bug in the
+    export, not in the model), unless `allow_lint_violations`; a warning for
+    graphs it did not quantize (float models, Keras' `model.quantize`)."""
     import warnings
 
     from keras_mp.onnx.tensorrt import check_tensorrt
@@ -226,11 +258,34 @@ def _warn_if_not_tensorrt_ready(model, proto):
     if lint.ok:
         return
     rules = sorted({f.rule for f in lint.violations})
-    warnings.warn(
+    nodes = [f"{f.node} ({f.rule})" for f in lint.violations[:10]]
+    more = (
+        f" and {len(lint.violations) - 10} more"
+        if len(lint.violations) > 10
+        else ""
+    )
+    summary = (
         f"The ONNX graph of model {model.name!r} breaks the TensorRT "
         f"explicit-quantization contract ({len(lint.violations)} "
-        f"violation(s): {', '.join(rules)}); TensorRT will not build it as "
-        "INT8. If the model was quantized with Keras' own "
+        f"violation(s) of {', '.join(rules)}: {'; '.join(nodes)}{more}); "
+        "TensorRT will not build it as INT8."
+    )
+    if _quantized_by_keras_mp(model):
+        if allow_lint_violations:
+            warnings.warn(summary, UserWarning, stacklevel=3)
+            return
+        raise ExportError(
+            f"{summary} The model has keras_mp quantize layers, so this "
+            "graph is meant for a TensorRT INT8 build and would not get one. "
+            "If some layers were quantized with Keras' own "
+            "`layer.quantize(...)`, leave them float and let "
+            "`keras_mp.quantize_model` quantize them; otherwise this is an "
+            "export fault to report with the model. Nothing was written. "
+            "Pass allow_lint_violations=True to write the file anyway (with "
+            "a warning), e.g. to inspect it with `keras_mp.check_tensorrt`."
+        )
+    warnings.warn(
+        f"{summary} If the model was quantized with Keras' own "
         "`model.quantize(...)`, quantize the float model with "
         "`keras_mp.quantize_model` instead. Run `keras_mp.check_tensorrt` "
         "on the file for the per-node list.",

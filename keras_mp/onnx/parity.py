@@ -6,13 +6,19 @@ import os
 
 import numpy as np
 
+from keras_mp import _inputs
 from keras_mp._compat import optional_import
 from keras_mp.onnx.errors import ExportError, ParityError
 
 
 @dataclasses.dataclass
 class ParityReport:
-    """Keras vs ONNX Runtime on the same inputs."""
+    """Keras vs ONNX Runtime on the same inputs.
+
+    The figures are the worst over the model's outputs; `outputs` holds
+    one `OutputParity` per output (by Keras output name) when it has
+    several.
+    """
 
     samples: int
     top1_agreement: float
@@ -21,6 +27,7 @@ class ParityReport:
     rel_l2: float
     optimized_top1_agreement: float = None
     optimized_rel_l2: float = None
+    outputs: list = dataclasses.field(default_factory=list)
 
     def __str__(self):
         text = (
@@ -35,6 +42,13 @@ class ParityReport:
                 f"; with ORT's default optimizations: top-1 agreement "
                 f"{100 * self.optimized_top1_agreement:.2f}%, relative L2 "
                 f"{self.optimized_rel_l2:.2e}"
+            )
+        if len(self.outputs) > 1:
+            text += "".join(
+                f"\n  output {r.name!r}: top-1 agreement "
+                f"{100 * r.top1_agreement:.2f}%, relative L2 {r.rel_l2:.2e}, "
+                f"max |diff| {r.max_abs_diff:.3g}"
+                for r in self.outputs
             )
         return text
 
@@ -83,83 +97,114 @@ def run_session(session, inputs, batch_size=512):
     return [np.concatenate(outs) for outs in zip(*batches)]
 
 
-def _verify_inputs(model, data):
-    """`data` as a list of float32 arrays, one per model input, checked."""
-    specs = list(model.inputs)
-    if isinstance(data, dict):
-        names = [t.name for t in specs]
-        missing = [n for n in names if n not in data]
-        if missing:
-            raise ExportError(
-                f"`verify_data` has keys {sorted(data)}, but model "
-                f"{model.name!r} has inputs {names}: give one array per input."
-            )
-        data = [data[n] for n in names]
-    elif not isinstance(data, (list, tuple)):
-        data = [data]
-    if len(data) != len(specs):
+def verify_inputs(model, data):
+    """`data` as a list of arrays, one per model input, each of its input's
+    dtype (integer token ids stay integers), checked. A tf.data.Dataset or
+    iterable of batches (labels ignored) is read to its end and
+    concatenated."""
+    specs = _inputs.input_specs(model, "verify_onnx", ExportError)
+    if specs is None:
         raise ExportError(
-            f"`verify_data` holds {len(data)} array(s), but model "
-            f"{model.name!r} has {len(specs)} input(s): pass a list (or a dict "
-            "by input name) with one array per input."
+            f"Model {model.name!r} is a subclassed keras.Model without "
+            "symbolic inputs: wrap it in a functional model to verify it."
         )
-    arrays = []
-    for spec, x in zip(specs, data):
-        x = np.asarray(x, np.float32)
-        if x.ndim == 0 or len(x) == 0:
-            raise ExportError("`verify_data` is empty: pass some real inputs.")
-        expected = tuple(spec.shape[1:])
-        if x.shape[1:] != expected:
-            raise ExportError(
-                f"`verify_data` has shape {x.shape}, but model {model.name!r} "
-                f"expects (batch,) + {expected}. Pass inputs shaped like the "
-                "model's."
-            )
-        arrays.append(x)
-    if len({len(x) for x in arrays}) > 1:
+    what = "`verify_data`"
+    if isinstance(data, (np.ndarray, dict, list, tuple)) or not hasattr(
+        data, "__iter__"
+    ):
+        return _inputs.as_input_list(data, specs, what, ExportError)
+    if isinstance(data, (str, bytes)):
         raise ExportError(
-            "`verify_data` arrays have different batch sizes "
-            f"{[len(x) for x in arrays]}: give every input the same number "
-            "of samples."
+            f"{what} must be arrays, a tf.data.Dataset or an iterable of "
+            f"batches. Received: {type(data).__name__}"
         )
-    return arrays
+    batches = [
+        _inputs.as_input_list(
+            _inputs.strip_labels(b, len(specs)), specs, what, ExportError
+        )
+        for b in data
+    ]
+    if not batches:
+        raise ExportError(f"{what} is empty: pass some real inputs.")
+    return [np.concatenate(parts) for parts in zip(*batches)]
 
 
-def _compare(want, got):
-    """(top-1 agreement, max |diff|, mean |diff|, relative L2), worst over
-    the outputs; top-1 on the outputs with a class axis."""
-    agree, max_diff, mean_diff, rel = 1.0, 0.0, 0.0, 0.0
-    for w, g in zip(want, got):
-        diff = np.abs(w - g)
-        if w.ndim >= 2 and w.shape[-1] > 1:
-            agree = min(agree, float(np.mean(w.argmax(-1) == g.argmax(-1))))
-        max_diff = max(max_diff, float(diff.max()))
-        mean_diff = max(mean_diff, float(diff.mean()))
-        norm = max(float(np.linalg.norm(w)), 1e-12)
-        rel = max(rel, float(np.linalg.norm(w - g)) / norm)
-    return agree, max_diff, mean_diff, rel
+def output_names(out, model):
+    """Names for the flattened outputs `out` (a tensor, list or dict) of
+    `model`: the dict keys, sorted as `tf.nest.flatten` orders them, or
+    `model.output_names`."""
+    if isinstance(out, dict):
+        return sorted(out)
+    names = list(getattr(model, "output_names", None) or [])
+    count = len(out) if isinstance(out, (list, tuple)) else 1
+    return (
+        names if len(names) == count else [f"output_{k}" for k in range(count)]
+    )
+
+
+def flat_outputs(out):
+    """`out` (a tensor, list or dict) as a list, dict values by sorted key."""
+    if isinstance(out, dict):
+        return [out[k] for k in sorted(out)]
+    return list(out) if isinstance(out, (list, tuple)) else [out]
+
+
+@dataclasses.dataclass
+class OutputParity:
+    """Keras vs ONNX Runtime on one model output."""
+
+    name: str
+    top1_agreement: float
+    max_abs_diff: float
+    mean_abs_diff: float
+    rel_l2: float
+
+
+def _compare_one(name, w, g):
+    diff = np.abs(w.astype(np.float64) - g.astype(np.float64))
+    agree = 1.0
+    if w.ndim >= 2 and w.shape[-1] > 1 and w.dtype.kind == "f":
+        agree = float(np.mean(w.argmax(-1) == g.argmax(-1)))
+    norm = max(float(np.linalg.norm(w.astype(np.float64))), 1e-12)
+    return OutputParity(
+        name,
+        agree,
+        float(diff.max()),
+        float(diff.mean()),
+        float(np.linalg.norm(diff)) / norm,
+    )
+
+
+def _compare(want, got, names):
+    """One `OutputParity` per output, in order."""
+    return [_compare_one(n, w, g) for n, w, g in zip(names, want, got)]
 
 
 def _keras_outputs(model, inputs, serve=None, batch_size=512):
-    """The model's float32 outputs on `inputs`: through `serve` (the
-    function export_onnx already traced, so no second trace) or
-    `model.predict`."""
+    """The model's outputs on `inputs` (float ones as float32) and their
+    names: through `serve` (the function export_onnx already traced, so no
+    second trace) or `model.predict`."""
     if serve is None:
-        want = model.predict(
-            inputs if len(inputs) > 1 else inputs[0],
+        specs = _inputs.input_specs(model, "verify_onnx", ExportError)
+        out = model.predict(
+            _inputs.call_arg(model, inputs, specs),
             batch_size=batch_size,
             verbose=0,
         )
-        want = want if isinstance(want, (list, tuple)) else [want]
-        return [np.asarray(w, np.float32) for w in want]
+        names = output_names(out, model)
+        want = [np.asarray(w) for w in flat_outputs(out)]
+        return [
+            w.astype(np.float32) if w.dtype.kind == "f" else w for w in want
+        ], names
     chunks = [
         serve(*[a[i : i + batch_size] for a in inputs])
         for i in range(0, len(inputs[0]), batch_size)
     ]
-    return [
-        np.concatenate([np.asarray(c[k], np.float32) for c in chunks])
+    want = [
+        np.concatenate([np.asarray(c[k]) for c in chunks])
         for k in range(len(chunks[0]))
     ]
+    return want, serve.output_names
 
 
 def check_parity(
@@ -167,19 +212,32 @@ def check_parity(
 ):
     """`verify_onnx`, with the traced `serve` function of an export (which
     spares a second trace of `model`) when it computes what `model` does."""
-    inputs = _verify_inputs(model, data)
+    inputs = verify_inputs(model, data)
     if not os.path.isfile(onnx_path):
         raise FileNotFoundError(f"ONNX file not found: {onnx_path}")
-    want = _keras_outputs(model, inputs, serve)
-    got = run_session(ort_session(onnx_path, optimized=False), inputs)
-    agree, max_diff, mean_diff, rel = _compare(want, got)
-    opt_agree, _, _, opt_rel = _compare(
-        want, run_session(ort_session(onnx_path), inputs)
+    want, names = _keras_outputs(model, inputs, serve)
+    session = ort_session(onnx_path, optimized=False)
+    if len(session.get_outputs()) != len(want):
+        raise ExportError(
+            f"{onnx_path} has {len(session.get_outputs())} output(s), but "
+            f"model {model.name!r} has {len(want)} ({names}): is this the "
+            "file exported from this model?"
+        )
+    rows = _compare(want, run_session(session, inputs), names)
+    optimized = _compare(
+        want, run_session(ort_session(onnx_path), inputs), names
     )
     report = ParityReport(
-        len(inputs[0]), agree, max_diff, mean_diff, rel, opt_agree, opt_rel
+        len(inputs[0]),
+        min(r.top1_agreement for r in rows),
+        max(r.max_abs_diff for r in rows),
+        max(r.mean_abs_diff for r in rows),
+        max(r.rel_l2 for r in rows),
+        min(r.top1_agreement for r in optimized),
+        max(r.rel_l2 for r in optimized),
+        outputs=rows,
     )
-    if agree < min_top1_agreement or rel > max_rel_l2:
+    if report.top1_agreement < min_top1_agreement or report.rel_l2 > max_rel_l2:
         raise ParityError(
             f"{report}. Tolerance: top-1 agreement >= "
             f"{100 * min_top1_agreement:.2f}% and relative L2 <= {max_rel_l2}."
@@ -201,7 +259,10 @@ def verify_onnx(
         model: the Keras model.
         onnx_path: str. The exported file.
         data: NumPy array of inputs; for a model with several inputs, a
-            list of arrays in `model.inputs` order or a dict by input name.
+            list of arrays in `model.inputs` order or a dict by input name
+            (a model built from a dict takes either). Each array must fit
+            its input's dtype: integer inputs (token ids, masks) take
+            integer arrays, never floats.
         min_top1_agreement: float. Fail below this. Defaults to 0.999.
         max_rel_l2: float. Fail above this relative L2 difference of the
             outputs. Defaults to 0.01.
@@ -210,7 +271,9 @@ def verify_onnx(
         `ParityReport`.
 
     Raises:
-        ExportError: `data` does not fit the model's inputs.
+        ExportError: the model was never called, or `data` does not fit
+            its inputs (a missing or extra dict key, a wrong count, shape
+            or dtype).
         FileNotFoundError: no file at `onnx_path`.
         ParityError: past a tolerance.
 

@@ -10,7 +10,7 @@ import dataclasses
 import keras
 import numpy as np
 
-from keras_mp import _models
+from keras_mp import _inputs, _models
 from keras_mp.quantization.calibrators import (
     CALIBRATORS,
     PercentileCalibrator,
@@ -49,94 +49,37 @@ class CalibrationReport:
         return self.to_table()
 
 
-def _input_names(model):
-    try:
-        return [t.name for t in model.inputs] if model.inputs else [None]
-    except AttributeError:  # subclassed: one input assumed
-        return [None]
-
-
-def _as_inputs(batch, names):
-    """One batch as a list of arrays, one per model input."""
-    n = len(names)
-    if isinstance(batch, dict):
-        batch = [batch[name] for name in names]
-    elif isinstance(batch, (tuple, list)):
-        first = batch[0]
-        if isinstance(first, (tuple, list, dict)) or n == 1:
-            return _as_inputs(first, names)  # (x, y) or (x,): keep x
-        batch = list(batch)[:n] if len(batch) >= n else batch
-    else:
-        batch = [batch]
-    if len(batch) != n:
-        raise ValueError(
-            f"Calibration batch holds {len(batch)} array(s), but the model "
-            f"has {n} inputs {names}: give one array per input (a list or a "
-            "dict by input name)."
-        )
-    return [keras.ops.convert_to_numpy(b) for b in batch]
-
-
-def _batches(data, batch_size, num_batches, names):
-    """Yields batches (a list of arrays, one per model input) from an array
-    (or a list / dict of arrays for several inputs), a tf.data.Dataset or an
-    iterable; `(x, y)` tuples give their `x`."""
+def _batches(data, batch_size, num_batches, specs):
+    """Yields batches (a list of arrays, one per model input, each of its
+    input's dtype) from an array (or a list / dict of arrays for several
+    inputs), a tf.data.Dataset or an iterable; `(x, y)` tuples give `x`."""
+    n = 1 if specs is None else len(specs)
     arrays = None
-    if isinstance(data, np.ndarray):
-        arrays = [data]
-    elif len(names) > 1 and isinstance(data, dict):
-        arrays = _as_inputs(data, names)
+    if isinstance(data, (np.ndarray, dict)):
+        arrays = _inputs.as_input_list(data, specs, "Calibration data")
     elif (
-        len(names) > 1
+        n > 1
         and isinstance(data, (list, tuple))
-        and len(data) == len(names)
         and all(isinstance(a, np.ndarray) and a.ndim >= 1 for a in data)
     ):
-        arrays = list(data)
+        arrays = _inputs.as_input_list(data, specs, "Calibration data")
     if arrays is not None:
-        if any(a.size == 0 for a in arrays):
-            raise ValueError(
-                "Calibration data is empty: pass some real inputs."
-            )
-        if len({len(a) for a in arrays}) > 1:
-            raise ValueError(
-                "Calibration arrays have different lengths "
-                f"{[len(a) for a in arrays]}: give every input the same "
-                "number of samples."
-            )
-        for n, start in enumerate(range(0, len(arrays[0]), batch_size)):
-            if num_batches is not None and n >= num_batches:
+        for i, start in enumerate(range(0, len(arrays[0]), batch_size)):
+            if num_batches is not None and i >= num_batches:
                 return
             yield [a[start : start + batch_size] for a in arrays]
         return
-    if isinstance(data, (str, bytes, dict)) or not hasattr(data, "__iter__"):
+    if isinstance(data, (str, bytes)) or not hasattr(data, "__iter__"):
         raise TypeError(
             "`data` must be a NumPy array, a tf.data.Dataset or an iterable "
-            f"of batches. Received: {type(data).__name__}"
+            "of batches (for several inputs: a list or dict of arrays). "
+            f"Received: {type(data).__name__}"
         )
-    for n, batch in enumerate(data):
-        if num_batches is not None and n >= num_batches:
+    for i, batch in enumerate(data):
+        if num_batches is not None and i >= num_batches:
             return
-        yield _as_inputs(batch, names)
-
-
-def _check_input(model, batch, index=0):
-    try:
-        expected = model.inputs[index].shape if model.inputs else None
-    except AttributeError:  # subclassed model: no symbolic inputs
-        expected = None
-    if expected is not None and (
-        batch.ndim != len(expected)
-        or any(
-            e is not None and e != b
-            for e, b in zip(expected[1:], batch.shape[1:])
-        )
-    ):
-        raise ValueError(
-            f"Calibration batch has shape {batch.shape}, but model "
-            f"{model.name!r} expects {tuple(expected)}. Pass inputs shaped "
-            "like the model's (batch first)."
-        )
+        batch = _inputs.strip_labels(batch, n)
+        yield _inputs.as_input_list(batch, specs, "Calibration batch")
 
 
 def calibrate(
@@ -160,7 +103,9 @@ def calibrate(
         data: NumPy array of inputs, `tf.data.Dataset` or iterable of
             batches (`(x, y)` tuples are fine: `y` is ignored). For a model
             with several inputs: a list (in `model.inputs` order) or dict
-            (by input name) of arrays, or batches shaped that way.
+            (by input name, as the ONNX export names its inputs) of
+            arrays, or batches shaped that way. Integer inputs (token ids,
+            masks) take integer arrays and keep their dtype.
         method: str. `"max"`, `"percentile"`, `"entropy"` or `"mse"`.
             Defaults to `"max"`.
         num_batches: int. Stop after this many batches. Defaults to all.
@@ -172,8 +117,10 @@ def calibrate(
         `CalibrationReport` with each quantizer's range.
 
     Raises:
-        ValueError: unknown method, a model with nothing to calibrate, empty
-            or wrongly shaped data, or NaN/Inf met at a quantizer (named).
+        ValueError: unknown method, a model with nothing to calibrate or
+            never called, empty or wrongly shaped data, a dict missing an
+            input or with an extra key, float data for an integer input,
+            or NaN/Inf met at a quantizer (named).
 
     Example:
 
@@ -218,21 +165,21 @@ def calibrate(
     progbar = keras.utils.Progbar(
         num_batches, verbose=verbose, unit_name="batch"
     )
+    specs = _inputs.input_specs(model, "calibrate")
     try:
-        names = _input_names(model)
-        for batch in _batches(data, batch_size, num_batches, names):
-            batch = [np.asarray(b, np.float32) for b in batch]
+        for batch in _batches(data, batch_size, num_batches, specs):
             for i, b in enumerate(batch):
-                _check_input(model, b, i)
-                if not np.all(np.isfinite(b)):
+                if b.dtype.kind == "f" and not np.all(np.isfinite(b)):
                     where = np.argwhere(~np.isfinite(b))[0]
-                    which = f"input {names[i]!r}, " if len(batch) > 1 else ""
+                    which = (
+                        f"input {specs[i].name!r}, " if len(batch) > 1 else ""
+                    )
                     raise ValueError(
                         f"Calibration data holds NaN/Inf ({which}batch "
                         f"{batches}, first at index "
                         f"{tuple(int(i) for i in where)}). Clean the data."
                     )
-            model(batch if len(batch) > 1 else batch[0], training=False)
+            model(_inputs.call_arg(model, batch, specs), training=False)
             batches += 1
             samples += len(batch[0])
             progbar.update(batches)

@@ -182,7 +182,7 @@ BAD_CLI = [
             f"{d}/m.keras",
             *_onnx_out(d, "--calibrate", f"{d}/x3d.npy"),
         ],
-        r"Calibration batch has shape \(32, 8, 8\).*expects",
+        r"input 'input_0' has shape \(32, 8, 8\).*expects",
     ),
     (
         "export_unknown_method",
@@ -293,3 +293,35 @@ def test_bad_command_line_exits_2_with_one_error_line(
     assert code == 2
     assert "Traceback" not in err
     assert re.search(match, err, re.S), err
+
+
+def test_cli_export_takes_an_npz_by_input_name(tmp_path, capsys):
+    ids = keras.Input((6,), dtype="int32", name="token_ids")
+    feats = keras.Input((3,), name="features")
+    h = keras.layers.GlobalAveragePooling1D()(
+        keras.layers.Embedding(20, 8)(ids)
+    )
+    h = keras.layers.Concatenate()([h, keras.layers.Dense(4)(feats)])
+    model = keras.Model(
+        {"token_ids": ids, "features": feats}, keras.layers.Dense(4)(h)
+    )
+    model.save(tmp_path / "t.keras")
+    rng = np.random.default_rng(0)
+    token_ids = rng.integers(0, 20, (16, 6)).astype(np.int32)
+    features = rng.random((16, 3), np.float32)
+    np.savez(tmp_path / "x.npz", token_ids=token_ids, features=features)
+    np.savez(tmp_path / "bad.npz", ids=token_ids, features=features)
+    out = tmp_path / "t.onnx"
+    argv = ["export", str(tmp_path / "t.keras"), "--onnx", str(out)]
+    assert cli.main(argv + ["--calibrate", str(tmp_path / "x.npz")]) == 0
+    assert "top-1 agreement" in capsys.readouterr().out
+    graph = onnx.load(out).graph
+    assert {i.name: i.type.tensor_type.elem_type for i in graph.input} == {
+        "features": onnx.TensorProto.FLOAT,
+        "token_ids": onnx.TensorProto.INT32,
+    }
+    bad = argv[:-1] + [str(tmp_path / "b.onnx")]
+    assert cli.main(bad + ["--calibrate", str(tmp_path / "bad.npz")]) == 2
+    err = capsys.readouterr().err
+    assert "missing: ['token_ids'], unexpected: ['ids']" in err
+    assert not (tmp_path / "b.onnx").exists()

@@ -35,8 +35,8 @@ def test_run_session_batches_give_the_model_outputs(exported):
         (np.zeros((0, 28, 28, 1), np.float32), "`verify_data` is empty"),
         (
             np.zeros((4, 28, 28), np.float32),
-            r"`verify_data` has shape \(4, 28, 28\), but model .* expects "
-            r"\(batch,\) \+ \(28, 28, 1\)",
+            r"`verify_data`: input 'input_0' has shape \(4, 28, 28\), but "
+            r"model .* expects \(None, 28, 28, 1\)",
         ),
     ],
     ids=["empty", "wrong_shape"],

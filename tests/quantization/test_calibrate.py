@@ -162,10 +162,10 @@ BAD = {
         TypeError,
         "`data` must be a NumPy array, a tf.data.Dataset.*Received: str",
     ),
-    "calibrate_dict_data": (
+    "calibrate_dict_with_wrong_key": (
         _calibrate({"x": X}),
-        TypeError,
-        "Received: dict",
+        ValueError,
+        r"dict with keys \['x'\], but model 'q' has inputs.*unexpected",
     ),
     "calibrate_number_as_data": (_calibrate(5), TypeError, "Received: int"),
     "calibrate_path_instead_of_model": (

@@ -1,0 +1,225 @@
+"""What models take and give, through calibrate -> export -> ONNX Runtime:
+several inputs (list or dict), integer inputs that stay integers, several
+outputs compared one by one; and the bad inputs, each named."""
+
+import os
+
+import keras
+import numpy as np
+import onnx
+import pytest
+import tensorflow as tf
+
+import keras_mp
+from keras_mp.quantization.layers import iter_quantize_layers
+
+SEQ, VOCAB, N = 6, 20, 32
+
+
+def _two_float_inputs():
+    image = keras.Input((8, 8, 3), name="image")
+    extra = keras.Input((4,), name="extra")
+    h = keras.layers.Conv2D(8, 3, activation="relu")(image)
+    h = keras.layers.GlobalAveragePooling2D()(h)
+    e = keras.layers.Dense(8, activation="relu")(extra)
+    h = keras.layers.Concatenate()([h, e])
+    return keras.Model([image, extra], keras.layers.Dense(5)(h))
+
+
+def _text_model():
+    """A BERT-style dict of int32 token ids and mask, plus a float input."""
+    ids = keras.Input((SEQ,), dtype="int32", name="token_ids")
+    mask = keras.Input((SEQ,), dtype="int32", name="padding_mask")
+    feats = keras.Input((3,), name="features")
+    h = keras.layers.Embedding(VOCAB, 8)(ids)
+    h = h * keras.ops.expand_dims(keras.ops.cast(mask, "float32"), -1)
+    h = keras.layers.Dense(8, activation="relu")(h)
+    h = keras.layers.GlobalAveragePooling1D()(h)
+    h = keras.layers.Concatenate()([h, keras.layers.Dense(4)(feats)])
+    out = keras.layers.Dense(4)(h)
+    return keras.Model(
+        {"token_ids": ids, "padding_mask": mask, "features": feats}, out
+    )
+
+
+def _two_outputs():
+    x = keras.Input((10,), name="x")
+    h = keras.layers.Dense(16, activation="relu")(x)
+    return keras.Model(
+        x,
+        {
+            "logits": keras.layers.Dense(5)(h),
+            "score": keras.layers.Dense(1)(h),
+        },
+    )
+
+
+def _float_data(rng):
+    return [
+        rng.random((N, 8, 8, 3), np.float32),
+        rng.random((N, 4), np.float32),
+    ]
+
+
+def _text_data(rng):
+    mask = np.ones((N, SEQ), np.int32)
+    mask[:, 4:] = 0
+    return {
+        "token_ids": rng.integers(0, VOCAB, (N, SEQ)).astype(np.int32),
+        "padding_mask": mask,
+        "features": rng.random((N, 3), np.float32),
+    }
+
+
+def _ranges(model):
+    return [
+        q.amax.numpy()
+        for w in iter_quantize_layers(model)
+        for q in (
+            w.input_quantizers
+            if isinstance(w, keras_mp.QuantizeWrapper)
+            else [w]
+        )
+    ]
+
+
+def _graph_inputs(path):
+    names = {1: "float32", 6: "int32", 7: "int64"}
+    return {
+        i.name: names[i.type.tensor_type.elem_type]
+        for i in onnx.load(path).graph.input
+    }
+
+
+def test_list_and_dict_and_dataset_forms_calibrate_alike(tmp_path):
+    xs = _float_data(np.random.default_rng(0))
+    qmodel = keras_mp.quantize_model(_two_float_inputs())
+    keras_mp.calibrate(qmodel, xs, batch_size=8, verbose=0)
+    want = _ranges(qmodel)
+    by_name = {"image": xs[0], "extra": xs[1]}
+    labels = np.zeros(N, np.int32)
+    for data in (
+        by_name,
+        tf.data.Dataset.from_tensor_slices((by_name, labels)).batch(8),
+        tf.data.Dataset.from_tensor_slices(tuple(xs)).batch(8),
+        (([a[i : i + 8] for a in xs], None) for i in range(0, N, 8)),
+    ):
+        keras_mp.calibrate(qmodel, data, batch_size=8, verbose=0)
+        np.testing.assert_array_equal(_ranges(qmodel), want)
+    path = tmp_path / "two.onnx"
+    report = keras_mp.export_onnx(qmodel, path, verify_data=by_name)
+    assert report.top1_agreement >= 0.999 and report.rel_l2 < 1e-2
+    assert _graph_inputs(path) == {"image": "float32", "extra": "float32"}
+    assert keras_mp.check_tensorrt(path).ok
+
+
+def test_dict_of_integer_inputs_keeps_int32_end_to_end(tmp_path):
+    data = _text_data(np.random.default_rng(1))
+    qmodel = keras_mp.quantize_model(_text_model())
+    keras_mp.calibrate(qmodel, data, verbose=0)
+    want = _ranges(qmodel)
+    keras_mp.calibrate(
+        qmodel, tf.data.Dataset.from_tensor_slices(data).batch(8), verbose=0
+    )
+    np.testing.assert_array_equal(_ranges(qmodel), want)
+    path = tmp_path / "text.onnx"
+    report = keras_mp.export_onnx(qmodel, path, verify_data=data)
+    assert report.rel_l2 < 1e-2 and report.samples == N
+    assert _graph_inputs(path) == {
+        "features": "float32",
+        "padding_mask": "int32",
+        "token_ids": "int32",
+    }
+    lint = keras_mp.check_tensorrt(path)
+    assert lint.ok and lint.weighted_ops_quantized == lint.weighted_ops
+    # ONNX Runtime takes the int32 arrays by the Keras names
+    from keras_mp.onnx.parity import ort_session
+
+    got = ort_session(path, optimized=False).run(None, data)[0]
+    np.testing.assert_allclose(got, qmodel(data), atol=1e-4)
+
+
+def test_two_outputs_are_compared_one_by_one(tmp_path):
+    x = np.random.default_rng(2).random((N, 10), np.float32)
+    qmodel = keras_mp.quantize_model(_two_outputs())
+    keras_mp.calibrate(qmodel, x, verbose=0)
+    path = tmp_path / "two_out.onnx"
+    report = keras_mp.export_onnx(qmodel, path, verify_data=x)
+    assert [o.name for o in report.outputs] == ["logits", "score"]
+    assert report.rel_l2 == max(o.rel_l2 for o in report.outputs)
+    assert "output 'score'" in str(report)
+    again = keras_mp.verify_onnx(qmodel, path, x)
+    assert [o.name for o in again.outputs] == ["logits", "score"]
+    assert len(onnx.load(path).graph.output) == 2
+
+
+@pytest.fixture(scope="module")
+def text_model():
+    return _text_model()
+
+
+def _drop(data, key):
+    return {k: v for k, v in data.items() if k != key}
+
+
+BAD = {
+    "missing_key": (
+        lambda d: _drop(d, "padding_mask"),
+        r"keys \['features', 'token_ids'\].*missing: \['padding_mask'\]",
+    ),
+    "extra_key": (
+        lambda d: {**d, "labels": d["features"]},
+        r"unexpected: \['labels'\]",
+    ),
+    "float_token_ids": (
+        lambda d: {**d, "token_ids": d["token_ids"].astype(np.float32)},
+        r"input 'token_ids' of model .* is int32.*data for it is float32",
+    ),
+    "list_of_two": (
+        lambda d: [d["token_ids"], d["features"]],
+        r"holds 2 array\(s\), but model .* has 3 input\(s\)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_inputs_are_named_and_nothing_is_written(
+    case, text_model, tmp_path
+):
+    make, match = BAD[case]
+    data = make(_text_data(np.random.default_rng(3)))
+    qmodel = keras_mp.quantize_model(text_model)
+    with pytest.raises(ValueError, match=match):
+        keras_mp.calibrate(qmodel, data, verbose=0)
+    with pytest.raises(keras_mp.ExportError, match=match):
+        keras_mp.export_onnx(text_model, tmp_path / "m.onnx", verify_data=data)
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_model_never_called_is_named():
+    never_called = keras.Sequential([keras.layers.Dense(3)])
+    with pytest.raises(keras_mp.ExportError, match="never been called"):
+        keras_mp.verify_onnx(never_called, "m.onnx", np.zeros((2, 4)))
+
+
+def test_lint_violation_in_a_keras_mp_graph_raises_unless_allowed(tmp_path):
+    x = np.random.default_rng(4).random((16, 8, 8, 3), np.float32)
+    inputs = keras.Input((8, 8, 3))
+    h = keras.layers.Flatten()(keras.layers.Conv2D(4, 3)(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(5, name="head")(h))
+    qmodel = keras_mp.quantize_model(
+        model, config={"head": keras_mp.QuantizeConfig(skip=True)}
+    )
+    keras_mp.calibrate(qmodel, x, verbose=0)
+    qmodel.get_layer("head").quantize("int8")  # Keras' own: MatMulInteger
+    path = tmp_path / "mixed.onnx"
+    with pytest.raises(
+        keras_mp.ExportError,
+        match=r"1 violation\(s\) of qoperator: .*head.*MatMul.*"
+        r"allow_lint_violations=True",
+    ):
+        keras_mp.export_onnx(qmodel, path)
+    assert not path.exists()
+    with pytest.warns(UserWarning, match="qoperator"):
+        keras_mp.export_onnx(qmodel, path, allow_lint_violations=True)
+    assert not keras_mp.check_tensorrt(path).ok
