@@ -11,7 +11,12 @@ import pytest
 from benchmarks.bench_zoo import FLOAT_MAX_REL_L2, QUICK, ZOO, measure
 
 # Findings of the zoo run (benchmarks/results/zoo.md): model -> reason.
-KNOWN_FAILURES = {}
+KNOWN_FAILURES = {
+    "EfficientNetV2B0": "float ONNX Runtime parity: relative L2 1.7e-4 "
+    "> 1e-4 (random weights, logits RMS 8.5; INT8 lint-clean, 92/92)",
+    "InceptionV3": "float ONNX Runtime parity: relative L2 1.5e-4 > 1e-4 "
+    "(random weights; INT8 lint-clean, 95/95)",
+}
 
 
 def _check(row):
