@@ -1,0 +1,312 @@
+"""The keras.applications zoo: float and INT8 ONNX export of every family.
+
+Each family that builds offline (`weights=None`) is built at the smallest
+input it accepts, with 10 classes and pre-softmax logits
+(`classifier_activation=None`: a random-weight network's softmax is near
+uniform, so its top-1 says nothing) and BatchNorm statistics taken from
+the calibration images (`refresh_batchnorm`: with the initial ones the
+signal of a random MobileNet dies out to 1e-17), then:
+
+- float: `keras_mp.export_onnx`, then `keras_mp.verify_onnx` on 8 random
+  inputs (ONNX Runtime, graph optimizations off); goal: relative L2 of the
+  outputs <= 1e-4;
+- INT8: `keras_mp.quantize_model` + `keras_mp.calibrate` (max) on 32 random
+  images + `keras_mp.export_onnx` + `keras_mp.check_tensorrt`: lint
+  verdict, Q/DQ nodes, and the weighted ops (Conv, ConvTranspose, MatMul,
+  Gemm) with DequantizeLinear on both inputs out of all of them. The INT8
+  relative L2 is information only: a random-weight deep network amplifies
+  one-step rounding flips layer by layer (`docs/export.md`).
+
+A stage that fails is recorded with the first line of its error, and the
+run goes on. `tests/onnx/test_zoo.py` runs the same measurement: a fast
+subset in `make test`, the whole zoo marked slow.
+
+    python benchmarks/bench_zoo.py [--quick] [--only NAME ...]
+"""
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import keras_mp  # noqa: E402
+
+FLOAT_MAX_REL_L2 = 1e-4
+SAMPLES = 8
+CALIBRATION = 32
+
+
+def _app(name, shape, **kwargs):
+    """A builder of `keras.applications.<name>` with a 10-way logits head."""
+
+    def build():
+        return getattr(keras.applications, name)(
+            input_shape=shape,
+            weights=None,
+            classes=10,
+            classifier_activation=None,
+            **kwargs,
+        )
+
+    return build
+
+
+def _nasnet_mobile():
+    # With include_top, NASNetMobile insists on 224x224; without it 32x32
+    # builds, so the head is added here.
+    base = keras.applications.NASNetMobile(
+        input_shape=(32, 32, 3), weights=None, include_top=False, pooling="avg"
+    )
+    return keras.Model(base.inputs, keras.layers.Dense(10)(base.outputs[0]))
+
+
+# name -> (builder, input shape). The fast subset is the three fastest
+# (about 10-20 s each on 2 cores): depthwise convolutions and residual Adds
+# (MobileNetV2), squeeze-excite Multiplies and hard-swish (MobileNetV3),
+# plain depthwise stacks (MobileNet). Concatenation is in the slow zoo
+# (DenseNet121, Inception, NASNet: 70-100 s each) and in the fast
+# `concat_transpose` case of tests/onnx/test_export.py.
+ZOO = {
+    "ConvNeXtTiny": (_app("ConvNeXtTiny", (32, 32, 3)), (32, 32, 3)),
+    "DenseNet121": (_app("DenseNet121", (32, 32, 3)), (32, 32, 3)),
+    "EfficientNetB0": (_app("EfficientNetB0", (32, 32, 3)), (32, 32, 3)),
+    "EfficientNetV2B0": (_app("EfficientNetV2B0", (32, 32, 3)), (32, 32, 3)),
+    "InceptionV3": (_app("InceptionV3", (75, 75, 3)), (75, 75, 3)),
+    "InceptionResNetV2": (
+        _app("InceptionResNetV2", (75, 75, 3)),
+        (75, 75, 3),
+    ),
+    "MobileNet_0.25": (
+        _app("MobileNet", (32, 32, 3), alpha=0.25),
+        (32, 32, 3),
+    ),
+    "MobileNetV2_0.35": (
+        _app("MobileNetV2", (32, 32, 3), alpha=0.35),
+        (32, 32, 3),
+    ),
+    "MobileNetV3Small": (_app("MobileNetV3Small", (32, 32, 3)), (32, 32, 3)),
+    "NASNetMobile": (_nasnet_mobile, (32, 32, 3)),
+    "ResNet50": (_app("ResNet50", (32, 32, 3)), (32, 32, 3)),
+    "ResNet50V2": (_app("ResNet50V2", (32, 32, 3)), (32, 32, 3)),
+    "VGG16": (_app("VGG16", (32, 32, 3)), (32, 32, 3)),
+    "Xception": (_app("Xception", (71, 71, 3)), (71, 71, 3)),
+}
+QUICK = ["MobileNetV2_0.35", "MobileNetV3Small", "MobileNet_0.25"]
+
+
+def refresh_batchnorm(model, x):
+    """Sets each BatchNormalization's moving statistics to those of `x`.
+
+    With `weights=None` the statistics are mean 0, variance 1, and the
+    signal of a deep network without skip connections dies out (a random
+    MobileNet's logits are about 1e-17), which would make any relative L2
+    vacuous. One forward pass in training mode with momentum 0 gives each
+    layer the statistics of the inputs it sees at inference.
+    """
+    layers = [
+        layer
+        for layer in model.layers
+        if isinstance(layer, keras.layers.BatchNormalization)
+    ]
+    momenta = [layer.momentum for layer in layers]
+    for layer in layers:
+        layer.momentum = 0.0
+    model(x, training=True)
+    for layer, momentum in zip(layers, momenta):
+        layer.momentum = momentum
+
+
+def _first_line(error):
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"
+
+
+def measure(name, directory):
+    """Builds zoo model `name`, exports it float and INT8, and measures.
+
+    Args:
+        name: str. A key of `ZOO`.
+        directory: str. Where the `.onnx` files go.
+
+    Returns:
+        dict: `params`; `float_error` (None when the float export and its
+        parity check ran), `float_rel_l2`, `float_top1`, `float_seconds`;
+        `int8_error`, `int8_lint_ok`, `int8_violations`, `qdq_nodes`,
+        `weighted_ops`, `weighted_quantized`, `coverage`, `int8_rel_l2`,
+        `int8_seconds`; `logits_rms`, the Keras logits' root mean square on
+        the parity inputs (after `refresh_batchnorm`).
+    """
+    build, shape = ZOO[name]
+    keras.utils.set_random_seed(0)
+    model = build()
+    rng = np.random.default_rng(0)
+    x = rng.random((CALIBRATION,) + shape, dtype=np.float32)
+    x_test = rng.random((SAMPLES,) + shape, dtype=np.float32)
+    refresh_batchnorm(model, x)
+    logits = model.predict(x_test, verbose=0)
+    row = {
+        "model": name,
+        "params": int(model.count_params()),
+        "logits_rms": float(np.sqrt(np.mean(np.square(logits)))),
+    }
+
+    path = os.path.join(directory, f"{name}_float.onnx")
+    row.update(float_error=None, float_rel_l2=None, float_top1=None)
+    try:
+        start = time.perf_counter()
+        keras_mp.export_onnx(model, path, overwrite=True)
+        row["float_seconds"] = time.perf_counter() - start
+        parity = keras_mp.verify_onnx(
+            model, path, x_test, min_top1_agreement=0.0, max_rel_l2=1e9
+        )
+        row["float_rel_l2"] = float(parity.rel_l2)
+        row["float_top1"] = float(parity.top1_agreement)
+    except Exception as error:  # a finding, recorded in the table
+        row["float_error"] = _first_line(error)
+
+    path = os.path.join(directory, f"{name}_int8.onnx")
+    row.update(
+        int8_error=None,
+        int8_lint_ok=None,
+        int8_violations=None,
+        qdq_nodes=None,
+        weighted_ops=None,
+        weighted_quantized=None,
+        coverage=None,
+        int8_rel_l2=None,
+    )
+    try:
+        qmodel = keras_mp.quantize_model(model)
+        keras_mp.calibrate(qmodel, x, verbose=0)
+        start = time.perf_counter()
+        keras_mp.export_onnx(qmodel, path, overwrite=True)
+        row["int8_seconds"] = time.perf_counter() - start
+        report = keras_mp.check_tensorrt(path)
+        row.update(
+            int8_lint_ok=report.ok,
+            int8_violations=len(report.violations),
+            qdq_nodes=report.num_qdq,
+            weighted_ops=report.weighted_ops,
+            weighted_quantized=report.weighted_ops_quantized,
+            coverage=report.weighted_ops_quantized
+            / max(report.weighted_ops, 1),
+        )
+        parity = keras_mp.verify_onnx(
+            qmodel, path, x_test, min_top1_agreement=0.0, max_rel_l2=1e9
+        )
+        row["int8_rel_l2"] = float(parity.rel_l2)
+    except Exception as error:  # a finding, recorded in the table
+        row["int8_error"] = _first_line(error)
+    return row
+
+
+def _fmt(value, spec):
+    return "-" if value is None else format(value, spec)
+
+
+def _table(rows):
+    from _common import markdown_table
+
+    header = [
+        "model",
+        "parameters",
+        "logits RMS",
+        "float export",
+        "float rel L2",
+        "INT8 export",
+        "INT8 lint",
+        "Q/DQ nodes",
+        "weighted ops quantized / total",
+        "coverage %",
+        "INT8 rel L2 (info)",
+        "export s (float / INT8)",
+    ]
+    body = []
+    for r in rows:
+        if r["float_error"]:
+            float_ok = f"error: `{r['float_error']}`"
+        elif r["float_rel_l2"] <= FLOAT_MAX_REL_L2:
+            float_ok = "ok"
+        else:
+            float_ok = "parity over 1e-4"
+        lint = "-"
+        if r["int8_lint_ok"] is not None:
+            lint = (
+                "PASS"
+                if r["int8_lint_ok"]
+                else (f"FAIL ({r['int8_violations']})")
+            )
+        counts = "-"
+        if r["weighted_ops"] is not None:
+            counts = f"{r['weighted_quantized']} / {r['weighted_ops']}"
+        coverage = r["coverage"]
+        seconds = (
+            f"{_fmt(r.get('float_seconds'), '.1f')} / "
+            f"{_fmt(r.get('int8_seconds'), '.1f')}"
+        )
+        body.append(
+            [
+                r["model"],
+                f"{r['params']:,}",
+                f"{r['logits_rms']:.2g}",
+                float_ok,
+                _fmt(r["float_rel_l2"], ".1e"),
+                f"error: `{r['int8_error']}`" if r["int8_error"] else "ok",
+                lint,
+                _fmt(r["qdq_nodes"], "d"),
+                counts,
+                "-" if coverage is None else f"{100 * coverage:.1f}",
+                _fmt(r["int8_rel_l2"], ".1e"),
+                seconds,
+            ]
+        )
+    return markdown_table(header, body)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fast subset")
+    parser.add_argument("--only", nargs="+", choices=sorted(ZOO))
+    args = parser.parse_args()
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _common import write_results
+
+    names = args.only or (QUICK if args.quick else list(ZOO))
+    rows = []
+    with tempfile.TemporaryDirectory() as directory:
+        for name in names:
+            start = time.perf_counter()
+            rows.append(measure(name, directory))
+            print(
+                f"{name}: {time.perf_counter() - start:.0f} s {rows[-1]}",
+                flush=True,
+            )
+            keras.backend.clear_session()
+    float_ok = sum(
+        r["float_error"] is None and r["float_rel_l2"] <= FLOAT_MAX_REL_L2
+        for r in rows
+    )
+    lint_ok = sum(bool(r["int8_lint_ok"]) for r in rows)
+    full = sum(r["coverage"] == 1.0 for r in rows)
+    summary = (
+        f"{len(rows)} models; float export with relative L2 <= 1e-4 on "
+        f"{SAMPLES} random inputs (ONNX Runtime, optimizations off): "
+        f"{float_ok}/{len(rows)}; INT8 export lint-clean: "
+        f"{lint_ok}/{len(rows)}; every weighted op behind Q/DQ: "
+        f"{full}/{len(rows)}. Random weights, logits "
+        f"(`classifier_activation=None`); INT8 calibrated (max) on "
+        f"{CALIBRATION} random images. INT8 relative L2 is information: "
+        f"random deep networks amplify one-step rounding flips."
+    )
+    markdown = "# Model zoo\n\n" + summary + "\n\n" + _table(rows)
+    write_results("zoo", {"summary": summary, "rows": rows}, markdown)
+
+
+if __name__ == "__main__":
+    main()
