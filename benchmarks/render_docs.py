@@ -20,6 +20,7 @@ SECTIONS = [
     ("mixed_precision", "Mixed precision"),
     ("sparsity", "2:4 structured sparsity"),
     ("muppet", "MuPPET"),
+    ("zoo", "Model zoo (issue 15)"),
 ]
 
 
