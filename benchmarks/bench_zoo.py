@@ -109,7 +109,7 @@ ZOO = {
     "VGG16": (_app("VGG16", (32, 32, 3)), (32, 32, 3)),
     "Xception": (_app("Xception", (71, 71, 3)), (71, 71, 3)),
 }
-QUICK = ["MobileNetV2_0.35", "MobileNetV3Small", "MobileNet_0.25"]
+QUICK = ["MobileNetV2_0.35", "MobileNetV3Small"]
 
 
 def refresh_batchnorm(model, x):

@@ -187,7 +187,7 @@ def main(argv=None):
     )
     args = parser.parse_args(argv)
     epochs = 1 if args.quick else args.epochs
-    train_samples = 16384 if args.quick else args.train_samples
+    train_samples = 4096 if args.quick else args.train_samples
     test_samples = 2048 if args.quick else 50_000
     keras.utils.set_random_seed(0)
     os.makedirs(args.output, exist_ok=True)
