@@ -6,13 +6,16 @@ STAMP := $(VENV)/.installed-keras-mp
 FASHION_MNIST := /usr/share/datasets/fashion-mnist/t10k-labels-idx1-ubyte.gz
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 DEMO_ARGS ?=
+KERAS_HUB := 0.32.0
 
 .PHONY: demo test data lint docs bench clean
 
 $(STAMP): setup.cfg pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[cpu,onnx,plot,test,docs]"
+	$(PY) -m pip install --quiet -e ".[cpu,onnx,plot,test,docs,hub]"
+	# keras-hub without tensorflow-text (it pulls a second TensorFlow)
+	$(PY) -m pip install --quiet --no-deps "keras-hub==$(KERAS_HUB)"
 	touch $(STAMP)
 
 $(FASHION_MNIST):

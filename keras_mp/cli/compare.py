@@ -1,5 +1,7 @@
 """`keras-mp compare`: a `.keras` model against its ONNX export, by layer."""
 
+from keras_mp.cli._files import load_inputs, load_keras_model
+
 
 def compare_command_parser(subparsers):
     parser = subparsers.add_parser(
@@ -21,35 +23,13 @@ def compare_command_parser(subparsers):
     parser.set_defaults(func=compare_command)
 
 
-def _load_data(path):
-    import numpy as np
-
-    try:
-        data = np.load(path)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"Could not read {path} as .npy or .npz: {e}") from e
-    if isinstance(data, np.ndarray):
-        return data
-    with data:
-        arrays = {k: data[k] for k in data.files}
-    return next(iter(arrays.values())) if len(arrays) == 1 else arrays
-
-
 def compare_command(args):
-    import keras
-
     import keras_mp
 
     if args.samples is not None and args.samples < 1:
         raise ValueError(f"--samples must be >= 1. Received: {args.samples}")
-    data = _load_data(args.data)
-    try:
-        model = keras.saving.load_model(args.model, safe_mode=True)
-    except Exception as e:  # a damaged file fails anywhere in Keras
-        raise ValueError(
-            f"Could not load {args.model} as a Keras model "
-            f"({type(e).__name__}: {e})"
-        ) from e
+    data = load_inputs(args.data)
+    model = load_keras_model(args.model)
     report = keras_mp.compare_onnx(model, args.onnx, data, samples=args.samples)
     print(report)
     if args.plot:

@@ -1,5 +1,7 @@
 """`keras-mp export`: a `.keras` file to Q/DQ ONNX and/or SavedModel."""
 
+from keras_mp.cli._files import load_inputs, load_keras_model
+
 
 def export_command_parser(subparsers):
     parser = subparsers.add_parser(
@@ -36,50 +38,23 @@ def export_command_parser(subparsers):
     parser.set_defaults(func=export_command)
 
 
-def _load_inputs(path):
-    """A .npy array, or an .npz as a dict of its arrays by name (its one
-    array when it holds one, for a one-input model)."""
-    import numpy as np
-
-    try:
-        data = np.load(path)
-        if isinstance(data, np.lib.npyio.NpzFile):
-            with data:
-                data = {name: data[name] for name in data.files}
-    except (OSError, ValueError) as e:
-        raise ValueError(
-            f"Could not read {path} as a .npy array or .npz of arrays: {e}"
-        ) from e
-    if isinstance(data, dict) and len(data) == 1:
-        return next(iter(data.values()))
-    return data
-
-
 def export_command(args):
-    import keras
-
     import keras_mp
 
     if not (args.onnx or args.saved_model):
         raise ValueError(
             "Nothing to do: pass --onnx OUT.onnx and/or --saved-model DIR."
         )
-    try:
-        model = keras.saving.load_model(args.model, safe_mode=True)
-    except Exception as e:  # a damaged file fails anywhere in Keras
-        raise ValueError(
-            f"Could not load {args.model} as a Keras model "
-            f"({type(e).__name__}: {e})"
-        ) from e
+    model = load_keras_model(args.model)
     if args.calibrate:
         model = keras_mp.quantize_model(model)
         print(
             keras_mp.calibrate(
-                model, _load_inputs(args.calibrate), method=args.method
+                model, load_inputs(args.calibrate), method=args.method
             )
         )
     verify = (
-        _load_inputs(args.verify or args.calibrate)
+        load_inputs(args.verify or args.calibrate)
         if (args.verify or args.calibrate)
         else None
     )

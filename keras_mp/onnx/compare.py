@@ -6,6 +6,7 @@ import os
 
 import numpy as np
 
+from keras_mp import _inputs as _inputs_mod
 from keras_mp._compat import optional_import
 from keras_mp._models import check_graph_model
 from keras_mp.onnx.parity import ort_session, run_session
@@ -109,35 +110,11 @@ class CompareReport:
 
 
 def _inputs(model, data, samples):
-    """`data` as a list of arrays, one per model input, checked."""
-    specs = list(model.inputs)
-    if isinstance(data, dict):
-        names = [t.name for t in specs]
-        if sorted(data) != sorted(names):
-            raise ValueError(
-                f"`data` has keys {sorted(data)}, but model {model.name!r} "
-                f"has inputs {names}: give one array per input name."
-            )
-        data = [data[n] for n in names]
-    elif not isinstance(data, (list, tuple)):
-        data = [data]
-    if len(data) != len(specs):
-        raise ValueError(
-            f"`data` holds {len(data)} array(s), but model {model.name!r} "
-            f"has {len(specs)} input(s): pass one array per input."
-        )
-    arrays = []
-    for spec, x in zip(specs, data):
-        x = np.asarray(x, spec.dtype)
-        expected = tuple(spec.shape[1:])
-        if x.ndim == 0 or x.shape[1:] != expected or len(x) == 0:
-            raise ValueError(
-                f"`data` has shape {x.shape}, but model {model.name!r} "
-                f"expects (batch,) + {expected} with at least one sample. "
-                "Pass inputs shaped like the model's."
-            )
-        arrays.append(x[:samples] if samples else x)
-    return arrays
+    """`data` as a list of arrays, one per model input, checked and cast
+    to each input's dtype (`keras_mp._inputs`), the first `samples`."""
+    specs = _inputs_mod.input_specs(model, "compare_onnx")
+    arrays = _inputs_mod.as_input_list(data, specs, "`data`")
+    return [x[:samples] for x in arrays] if samples else arrays
 
 
 def _probe(model, layers):

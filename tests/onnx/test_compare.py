@@ -122,3 +122,31 @@ def test_functional_residual_depthwise_model(tmp_path):
     stepped = [r for r in weighted if r.steps is not None]
     assert len(stepped) >= 7 and all(r.steps <= 1 for r in stepped)
     assert report.first_divergence is None
+
+
+def test_dict_of_integer_and_float_inputs(tmp_path):
+    """Token ids stay integers, a dict is matched to the inputs by name (not
+    by order) and a float array for the ids is refused by name."""
+    ids = keras.Input((8,), dtype="int32", name="token_ids")
+    feats = keras.Input((4,), name="features")
+    embedded = keras.layers.Flatten()(keras.layers.Embedding(50, 4)(ids))
+    joined = keras.layers.Concatenate()([embedded, feats])
+    model = keras.Model(
+        {"token_ids": ids, "features": feats}, keras.layers.Dense(3)(joined)
+    )
+    rng = np.random.default_rng(0)
+    data = {
+        "features": rng.random((16, 4), dtype=np.float32),
+        "token_ids": rng.integers(0, 50, (16, 8)).astype("int32"),
+    }
+    path = str(tmp_path / "dict.onnx")
+    keras_mp.export_onnx(model, path)
+    report = keras_mp.compare_onnx(model, path, data, samples=8)
+    assert report.samples == 8
+    assert report.first_divergence is None
+    assert max(r.rel_l2 for r in report.rows) < 1e-5
+    bad = dict(data, token_ids=data["token_ids"].astype("float32"))
+    with pytest.raises(ValueError, match="'token_ids'.*int32"):
+        keras_mp.compare_onnx(model, path, bad)
+    with pytest.raises(ValueError, match="missing: \\['features'\\]"):
+        keras_mp.compare_onnx(model, path, {"token_ids": data["token_ids"]})
