@@ -274,6 +274,27 @@ def _rule_partial_quantization(graph):
             )
 
 
+def _rule_float_weighted_ops(graph):
+    """In a graph with Q/DQ, the weighted ops with neither input quantized:
+    legal, but TensorRT runs them in float (one finding for all of them)."""
+    if not any(node.op_type in QDQ_OPS for node in graph.nodes):
+        return
+    left = [op for op in graph.weighted if not any(graph.quantized_inputs(op))]
+    if not left:
+        return
+    names = ", ".join(f"'{graph.name(op)}'" for op in left[:5])
+    more = f" and {len(left) - 5} more" if len(left) > 5 else ""
+    yield Finding(
+        "float_weighted_ops",
+        graph.name(left[0]),
+        f"{len(left)} of {len(graph.weighted)} weighted ops have no "
+        f"quantized input ({names}{more}): TensorRT runs them in float, "
+        "which costs INT8 speed. Quantize the layers they come from, or "
+        "leave them float on purpose.",
+        "warning",
+    )
+
+
 def _rule_output_qdq(graph):
     for op in graph.weighted:
         for q, _ in graph.consumers.get(op.output[0], []):
@@ -367,6 +388,7 @@ RULES = [
     _rule_per_channel,
     _rule_weight_dq_direct,
     _rule_partial_quantization,
+    _rule_float_weighted_ops,
     _rule_output_qdq,
     _rule_residual_add,
     _rule_sparsity,

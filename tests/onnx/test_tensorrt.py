@@ -414,6 +414,35 @@ def test_only_weight_quantized_warns():
     assert _fired(check_tensorrt(model, strict=True), "partial_quantization")
 
 
+def test_weighted_op_left_float_warns_once_for_all():
+    model = conv_model()
+    conv = next(n for n in model.graph.node if n.name == "conv")
+    conv.output[0] = "c"
+    model.graph.initializer.append(
+        numpy_helper.from_array(RNG.random((8, 8, 1, 1), np.float32), "w2")
+    )
+    model.graph.node.append(helper.make_node("Conv", ["c", "w2"], ["y"], "pw"))
+    report = check_tensorrt(model)
+    assert report.ok
+    assert (report.weighted_ops, report.weighted_ops_quantized) == (2, 1)
+    assert _fired(report, "float_weighted_ops", warnings=True) == {"pw"}
+    (finding,) = [f for f in report.warnings if f.rule == "float_weighted_ops"]
+    assert "1 of 2 weighted ops" in finding.message
+    # a float graph is not a partly quantized one: no warning
+    assert not _fired(check_tensorrt(float_conv()), "float_weighted_ops", True)
+    assert not _fired(check_tensorrt(conv_model()), "float_weighted_ops", True)
+
+
+def float_conv():
+    """x -> Conv (float32 weight) -> y, no Q/DQ at all."""
+    return _model(
+        [helper.make_node("Conv", ["x", "w"], ["y"], "conv")],
+        {"w": RNG.random((8, 8, 3, 3), np.float32)},
+        [1, 8, 6, 6],
+        [1, 8, 4, 4],
+    )
+
+
 def test_output_qdq_feeding_nothing_quantized_warns():
     model = conv_model(y_scale=np.float32(0.1), y_zp=np.int8(0))
     conv = next(n for n in model.graph.node if n.name == "conv")
