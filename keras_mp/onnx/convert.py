@@ -148,13 +148,28 @@ def _warn_failed_optimizers(records, model):
     )
 
 
+def _output_names(serve, inputs, count):
+    """The ONNX output names: `serve.output_names` (a dict model's keys, or
+    the Keras output layers' names), unique and not an input's name, else
+    `output_<k>`."""
+    names = list(getattr(serve, "output_names", None) or [])
+    if (
+        len(names) != count
+        or len(set(names)) != count
+        or set(names) & set(inputs)
+    ):
+        names = [f"output_{k}" for k in range(count)]
+    return names
+
+
 def function_to_onnx(serve, model, opset, inputs_as_nchw=None):
     """Converts a traced `tf.function` of `model` to an ONNX ModelProto.
 
     Args:
         serve: a `tf.function` with an input signature whose specs are
             named after the Keras inputs: the ONNX inputs keep those names
-            and dtypes.
+            and dtypes. Its `output_names` attribute, when set, names the
+            ONNX outputs.
         model: the `keras.Model` that `serve` calls (named in messages).
         opset: int. The ONNX opset, <= 18 (tf2onnx 1.17's last).
         inputs_as_nchw: list of input names to expose as NCHW, or None.
@@ -170,6 +185,7 @@ def function_to_onnx(serve, model, opset, inputs_as_nchw=None):
     graph_def, inputs, outputs = _keras.frozen_graph_def(concrete)
     specs = [s.name for s in concrete.structured_input_signature[0]]
     rename = dict(zip(inputs, specs))
+    rename.update(zip(outputs, _output_names(serve, specs, len(outputs))))
     by_spec = {spec: tensor for tensor, spec in rename.items()}
     nchw = None
     if inputs_as_nchw:

@@ -6,7 +6,7 @@ import os
 
 import numpy as np
 
-from keras_mp import _inputs
+from keras_mp import _inputs, _keras
 from keras_mp._compat import optional_import
 from keras_mp.onnx.errors import ExportError, ParityError
 
@@ -132,10 +132,13 @@ def verify_inputs(model, data):
 def output_names(out, model):
     """Names for the flattened outputs `out` (a tensor, list or dict) of
     `model`: the dict keys, sorted as `tf.nest.flatten` orders them, or
-    `model.output_names`."""
+    `model.output_names` (the output layers' names)."""
     if isinstance(out, dict):
         return sorted(out)
     names = list(getattr(model, "output_names", None) or [])
+    if not names:  # Sequential: the layers that produce the outputs
+        layers = [_keras.producer(t) for t in getattr(model, "outputs", [])]
+        names = [layer.name for layer in layers if layer is not None]
     count = len(out) if isinstance(out, (list, tuple)) else 1
     return (
         names if len(names) == count else [f"output_{k}" for k in range(count)]

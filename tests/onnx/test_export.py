@@ -307,6 +307,29 @@ def test_multi_input_model_calibrates_exports_and_verifies(tmp_path):
         keras_mp.verify_onnx(qmodel, path, [xs[0], xs[1][:5]])
 
 
+def test_onnx_outputs_are_named_like_the_keras_outputs(tmp_path):
+    """Dict outputs by key, list and Sequential outputs by output layer."""
+    x = keras.Input((4,), name="x")
+    logits = keras.layers.Dense(3, name="logits")(x)
+    probs = keras.layers.Softmax(name="probs")(logits)
+    models = {
+        "dict": (keras.Model(x, {"b": probs, "a": logits}), ["a", "b"]),
+        "list": (keras.Model(x, [logits, probs]), ["logits", "probs"]),
+        "sequential": (
+            keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)]),
+            None,
+        ),
+    }
+    data = np.random.default_rng(0).random((8, 4), np.float32)
+    for kind, (model, want) in models.items():
+        path = tmp_path / f"{kind}.onnx"
+        keras_mp.export_onnx(model, path, verify_data=data)
+        got = [o.name for o in onnx.load(path).graph.output]
+        if want is None:  # Sequential: its last layer's name
+            want = [model.layers[-1].name]
+        assert got == want, kind
+
+
 def test_keras_int8_model_export_warns_it_is_not_tensorrt_ready(tmp_path):
     x = np.random.default_rng(0).random((8, 16), dtype=np.float32)
     inputs = keras.Input((16,))
