@@ -1,21 +1,30 @@
-"""The keras.applications zoo: float and INT8 ONNX export of every family.
+"""The model zoo: float and INT8 ONNX export of every keras.applications
+family and of keras-hub backbones built from a config.
 
-Each family that builds offline (`weights=None`) is built at the smallest
-input it accepts, with 10 classes and pre-softmax logits
-(`classifier_activation=None`: a random-weight network's softmax is near
-uniform, so its top-1 says nothing) and BatchNorm statistics taken from
-the calibration images (`refresh_batchnorm`: with the initial ones the
+Each `keras.applications` family that builds offline (`weights=None`) is
+built at the smallest input it accepts, with 10 classes and pre-softmax
+logits (`classifier_activation=None`: a random-weight network's softmax is
+near uniform, so its top-1 says nothing). The keras-hub rows are small
+backbones built from a config (no download): a BERT-style text encoder
+(a dict of int32 token ids, segment ids and padding mask in, a dict of
+sequence and pooled outputs out), a ViT and a ResNet of basic blocks; their
+data matches their inputs (token ids within the vocabulary, zero past each
+sequence's length; images). Every model gets BatchNorm statistics taken
+from the calibration inputs (`refresh_batchnorm`: with the initial ones the
 signal of a random MobileNet dies out to 1e-17), then:
 
 - float: `keras_mp.export_onnx`, then `keras_mp.verify_onnx` on 8 random
   inputs (ONNX Runtime, graph optimizations off); goal: relative L2 of the
-  outputs <= 1e-4;
+  outputs (the worst output of several) <= 1e-4;
 - INT8: `keras_mp.quantize_model` + `keras_mp.calibrate` (max) on 32 random
-  images + `keras_mp.export_onnx` + `keras_mp.check_tensorrt`: lint
+  inputs + `keras_mp.export_onnx` + `keras_mp.check_tensorrt`: lint
   verdict, Q/DQ nodes, and the weighted ops (Conv, ConvTranspose, MatMul,
   Gemm) with DequantizeLinear on both inputs out of all of them. The INT8
   relative L2 is information only: a random-weight deep network amplifies
   one-step rounding flips layer by layer (`docs/export.md`).
+
+keras-hub is optional here: without it, a run that includes its rows stops
+at once and says how to install it (`--only` runs the other rows).
 
 A stage that fails is recorded with the first line of its error, and the
 run goes on. `tests/onnx/test_zoo.py` runs the same measurement: a fast
@@ -42,16 +51,50 @@ SAMPLES = 8
 CALIBRATION = 32
 
 
+# keras-hub BERT-style encoder: vocabulary and sequence length.
+VOCAB = 100
+SEQ = 16
+
 # The paragraph the results page opens with.
 INTRO = (
     "Every `keras.applications` family that builds offline, random weights, "
     "smallest input each accepts (32x32; InceptionV3 / InceptionResNetV2 "
-    "75x75, Xception 71x71; NASNetMobile `include_top=False` + Dense(10)). "
+    "75x75, Xception 71x71; NASNetMobile `include_top=False` + Dense(10)); "
+    "and keras-hub backbones built from a config: `BertBackbone` (2 layers, "
+    "hidden 32, vocabulary 100; a dict of int32 `token_ids`, `segment_ids`, "
+    "`padding_mask` of length 16 in, `sequence_output` and `pooled_output` "
+    "out), `ViTBackbone` (32x32, patch 8, 2 layers, hidden 32), "
+    "`ResNetBackbone` (basic blocks, stages of 64 and 128 filters). "
     "Float: `export_onnx` then `verify_onnx` on 8 random inputs (goal: "
-    "relative L2 <= 1e-4). INT8: `quantize_model` + `calibrate` + "
-    "`export_onnx` + `check_tensorrt`. `--quick` runs the fast subset of "
-    "`tests/onnx/test_zoo.py`."
+    "relative L2 <= 1e-4, the worst output of several). INT8: "
+    "`quantize_model` + `calibrate` + `export_onnx` + `check_tensorrt`. "
+    "`--quick` runs the fast subset of `tests/onnx/test_zoo.py`."
 )
+
+
+def _images(shape):
+    """A maker of `n` random images of `shape`, in [0, 1)."""
+
+    def make(rng, n):
+        return rng.random((n,) + shape, dtype=np.float32)
+
+    return make
+
+
+def _token_batch(rng, n):
+    """`n` BERT inputs: a sentence pair of random length (2 to `SEQ`
+    tokens) each, token ids in [1, `VOCAB`), segment 1 on the second half,
+    zeros past the length in all three arrays."""
+    lengths = rng.integers(2, SEQ + 1, n)[:, None]
+    positions = np.arange(SEQ)[None, :]
+    padding_mask = (positions < lengths).astype(np.int32)
+    token_ids = rng.integers(1, VOCAB, (n, SEQ)).astype(np.int32)
+    segment_ids = (positions >= lengths // 2).astype(np.int32)
+    return {
+        "token_ids": token_ids * padding_mask,
+        "segment_ids": segment_ids * padding_mask,
+        "padding_mask": padding_mask,
+    }
 
 
 def _app(name, shape, **kwargs):
@@ -78,38 +121,111 @@ def _nasnet_mobile():
     return keras.Model(base.inputs, keras.layers.Dense(10)(base.outputs[0]))
 
 
-# name -> (builder, input shape). The fast subset is the three fastest
-# (about 10-20 s each on 2 cores): depthwise convolutions and residual Adds
-# (MobileNetV2), squeeze-excite Multiplies and hard-swish (MobileNetV3),
-# plain depthwise stacks (MobileNet). Concatenation is in the slow zoo
-# (DenseNet121, Inception, NASNet: 70-100 s each) and in the fast
-# `concat_transpose` case of tests/onnx/test_export.py.
-ZOO = {
-    "ConvNeXtTiny": (_app("ConvNeXtTiny", (32, 32, 3)), (32, 32, 3)),
-    "DenseNet121": (_app("DenseNet121", (32, 32, 3)), (32, 32, 3)),
-    "EfficientNetB0": (_app("EfficientNetB0", (32, 32, 3)), (32, 32, 3)),
-    "EfficientNetV2B0": (_app("EfficientNetV2B0", (32, 32, 3)), (32, 32, 3)),
-    "InceptionV3": (_app("InceptionV3", (75, 75, 3)), (75, 75, 3)),
+def _keras_hub():
+    try:
+        import keras_hub
+    except ImportError as error:
+        raise ImportError(
+            "The keras-hub rows of the zoo need keras-hub, which is not "
+            "installed: `pip install --no-deps keras-hub` plus absl-py regex "
+            "rich kagglehub kagglesdk sentencepiece tokenizers (its "
+            "tensorflow-text requirement would pull a second TensorFlow), or "
+            "run only the keras.applications rows with `--only NAME ...`."
+        ) from error
+    return keras_hub
+
+
+def _bert_tiny():
+    return _keras_hub().models.BertBackbone(
+        vocabulary_size=VOCAB,
+        num_layers=2,
+        num_heads=2,
+        hidden_dim=32,
+        intermediate_dim=64,
+        max_sequence_length=SEQ,
+    )
+
+
+def _vit_tiny():
+    return _keras_hub().models.ViTBackbone(
+        image_shape=(32, 32, 3),
+        patch_size=8,
+        num_layers=2,
+        num_heads=2,
+        hidden_dim=32,
+        mlp_dim=64,
+    )
+
+
+def _resnet_basic():
+    # keras-hub's ResNet needs 64 filters in its first stage (and so in
+    # the stem, for the basic block's identity shortcut).
+    return _keras_hub().models.ResNetBackbone(
+        input_conv_filters=[64],
+        input_conv_kernel_sizes=[7],
+        stackwise_num_filters=[64, 128],
+        stackwise_num_blocks=[2, 2],
+        stackwise_num_strides=[1, 2],
+        block_type="basic_block",
+        image_shape=(32, 32, 3),
+    )
+
+
+# name -> (builder, maker of `n` inputs from a NumPy generator).
+# Concatenation is in the slow zoo (DenseNet121, Inception, NASNet:
+# 70-100 s each) and in the fast `concat_transpose` case of
+# tests/onnx/test_export.py.
+APPLICATIONS = {
+    "ConvNeXtTiny": (_app("ConvNeXtTiny", (32, 32, 3)), _images((32, 32, 3))),
+    "DenseNet121": (_app("DenseNet121", (32, 32, 3)), _images((32, 32, 3))),
+    "EfficientNetB0": (
+        _app("EfficientNetB0", (32, 32, 3)),
+        _images((32, 32, 3)),
+    ),
+    "EfficientNetV2B0": (
+        _app("EfficientNetV2B0", (32, 32, 3)),
+        _images((32, 32, 3)),
+    ),
+    "InceptionV3": (_app("InceptionV3", (75, 75, 3)), _images((75, 75, 3))),
     "InceptionResNetV2": (
         _app("InceptionResNetV2", (75, 75, 3)),
-        (75, 75, 3),
+        _images((75, 75, 3)),
     ),
     "MobileNet_0.25": (
         _app("MobileNet", (32, 32, 3), alpha=0.25),
-        (32, 32, 3),
+        _images((32, 32, 3)),
     ),
     "MobileNetV2_0.35": (
         _app("MobileNetV2", (32, 32, 3), alpha=0.35),
-        (32, 32, 3),
+        _images((32, 32, 3)),
     ),
-    "MobileNetV3Small": (_app("MobileNetV3Small", (32, 32, 3)), (32, 32, 3)),
-    "NASNetMobile": (_nasnet_mobile, (32, 32, 3)),
-    "ResNet50": (_app("ResNet50", (32, 32, 3)), (32, 32, 3)),
-    "ResNet50V2": (_app("ResNet50V2", (32, 32, 3)), (32, 32, 3)),
-    "VGG16": (_app("VGG16", (32, 32, 3)), (32, 32, 3)),
-    "Xception": (_app("Xception", (71, 71, 3)), (71, 71, 3)),
+    "MobileNetV3Small": (
+        _app("MobileNetV3Small", (32, 32, 3)),
+        _images((32, 32, 3)),
+    ),
+    "NASNetMobile": (_nasnet_mobile, _images((32, 32, 3))),
+    "ResNet50": (_app("ResNet50", (32, 32, 3)), _images((32, 32, 3))),
+    "ResNet50V2": (_app("ResNet50V2", (32, 32, 3)), _images((32, 32, 3))),
+    "VGG16": (_app("VGG16", (32, 32, 3)), _images((32, 32, 3))),
+    "Xception": (_app("Xception", (71, 71, 3)), _images((71, 71, 3))),
 }
-QUICK = ["MobileNetV2_0.35", "MobileNetV3Small"]
+HUB = {
+    "BertBackbone_tiny": (_bert_tiny, _token_batch),
+    "ViTBackbone_tiny": (_vit_tiny, _images((32, 32, 3))),
+    "ResNetBackbone_basic": (_resnet_basic, _images((32, 32, 3))),
+}
+ZOO = {**APPLICATIONS, **HUB}
+# The fast subset: depthwise convolutions and residual Adds (MobileNetV2),
+# squeeze-excite Multiplies and hard-swish (MobileNetV3), about 10-20 s
+# each on 2 cores; a dict of int32 inputs and a dict of outputs through
+# attention, LayerNorm and embeddings (BERT), patches and a class token
+# (ViT), a few seconds each.
+QUICK = [
+    "MobileNetV2_0.35",
+    "MobileNetV3Small",
+    "BertBackbone_tiny",
+    "ViTBackbone_tiny",
+]
 
 
 def refresh_batchnorm(model, x):
@@ -126,6 +242,8 @@ def refresh_batchnorm(model, x):
         for layer in model.layers
         if isinstance(layer, keras.layers.BatchNormalization)
     ]
+    if not layers:
+        return
     momenta = [layer.momentum for layer in layers]
     for layer in layers:
         layer.momentum = 0.0
@@ -147,25 +265,36 @@ def measure(name, directory):
         directory: str. Where the `.onnx` files go.
 
     Returns:
-        dict: `params`; `float_error` (None when the float export and its
-        parity check ran), `float_rel_l2`, `float_top1`, `float_seconds`;
+        dict: `source` (keras.applications or keras-hub), `params`;
+        `float_error` (None when the float export and its parity check
+        ran), `float_rel_l2`, `float_top1`, `float_seconds`;
         `int8_error`, `int8_lint_ok`, `int8_violations`, `qdq_nodes`,
         `weighted_ops`, `weighted_quantized`, `coverage`, `int8_rel_l2`,
-        `int8_seconds`; `logits_rms`, the Keras logits' root mean square on
-        the parity inputs (after `refresh_batchnorm`).
+        `int8_seconds`; `logits_rms`, the root mean square of the Keras
+        outputs (all of them) on the parity inputs (after
+        `refresh_batchnorm`).
+
+    Raises:
+        ImportError: a keras-hub row without keras-hub installed.
     """
-    build, shape = ZOO[name]
+    build, make_inputs = ZOO[name]
     keras.utils.set_random_seed(0)
     model = build()
     rng = np.random.default_rng(0)
-    x = rng.random((CALIBRATION,) + shape, dtype=np.float32)
-    x_test = rng.random((SAMPLES,) + shape, dtype=np.float32)
+    x = make_inputs(rng, CALIBRATION)
+    x_test = make_inputs(rng, SAMPLES)
     refresh_batchnorm(model, x)
-    logits = model.predict(x_test, verbose=0)
+    outputs = np.concatenate(
+        [
+            np.ravel(o)
+            for o in keras.tree.flatten(model.predict(x_test, verbose=0))
+        ]
+    )
     row = {
         "model": name,
+        "source": "keras-hub" if name in HUB else "keras.applications",
         "params": int(model.count_params()),
-        "logits_rms": float(np.sqrt(np.mean(np.square(logits)))),
+        "logits_rms": float(np.sqrt(np.mean(np.square(outputs)))),
     }
 
     path = os.path.join(directory, f"{name}_float.onnx")
@@ -227,8 +356,9 @@ def _table(rows):
 
     header = [
         "model",
+        "source",
         "parameters",
-        "logits RMS",
+        "output RMS",
         "float export",
         "float rel L2",
         "INT8 export",
@@ -265,6 +395,7 @@ def _table(rows):
         body.append(
             [
                 r["model"],
+                r["source"],
                 f"{r['params']:,}",
                 f"{r['logits_rms']:.2g}",
                 float_ok,
@@ -290,6 +421,12 @@ def main():
     from _common import write_results
 
     names = args.only or (QUICK if args.quick else list(ZOO))
+    hub_rows = [name for name in names if name in HUB]
+    if hub_rows:
+        try:
+            _keras_hub()
+        except ImportError as error:
+            parser.error(f"{error} (rows: {', '.join(hub_rows)})")
     rows = []
     with tempfile.TemporaryDirectory() as directory:
         for name in names:
@@ -312,9 +449,10 @@ def main():
         f"{float_ok}/{len(rows)}; INT8 export lint-clean: "
         f"{lint_ok}/{len(rows)}; every weighted op behind Q/DQ: "
         f"{full}/{len(rows)}. Random weights, logits "
-        f"(`classifier_activation=None`); INT8 calibrated (max) on "
-        f"{CALIBRATION} random images. INT8 relative L2 is information: "
-        f"random deep networks amplify one-step rounding flips."
+        f"(`classifier_activation=None`) or backbone features; INT8 "
+        f"calibrated (max) on {CALIBRATION} random inputs (images; token "
+        f"ids in the vocabulary with padding masks). INT8 relative L2 is "
+        f"information: random deep networks amplify one-step rounding flips."
     )
     markdown = INTRO + "\n\n" + summary + "\n\n" + _table(rows)
     write_results("zoo", {"summary": summary, "rows": rows}, markdown)

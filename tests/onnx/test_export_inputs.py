@@ -3,6 +3,7 @@ several inputs (list or dict), integer inputs that stay integers, several
 outputs compared one by one; and the bad inputs, each named."""
 
 import os
+import re
 
 import keras
 import numpy as np
@@ -11,6 +12,8 @@ import pytest
 import tensorflow as tf
 
 import keras_mp
+from benchmarks.bench_zoo import HUB
+from keras_mp import cli
 from keras_mp.quantization.layers import iter_quantize_layers
 
 SEQ, VOCAB, N = 6, 20, 32
@@ -223,3 +226,34 @@ def test_lint_violation_in_a_keras_mp_graph_raises_unless_allowed(tmp_path):
     with pytest.warns(UserWarning, match="qoperator"):
         keras_mp.export_onnx(qmodel, path, allow_lint_violations=True)
     assert not keras_mp.check_tensorrt(path).ok
+
+
+def _cli_export(argv, capsys):
+    assert cli.main(argv) == 0, capsys.readouterr().err
+    printed = capsys.readouterr().out
+    parity = re.search(r"optimizations off\): .*?relative L2 (\S+),", printed)
+    return printed, float(parity.group(1))
+
+
+def test_cli_exports_a_saved_keras_hub_bert_from_a_named_npz(tmp_path, capsys):
+    build, make_inputs = HUB["BertBackbone_tiny"]  # needs keras-hub
+    keras.utils.set_random_seed(0)
+    build().save(tmp_path / "bert.keras")
+    data = make_inputs(np.random.default_rng(5), 16)
+    np.savez(tmp_path / "x.npz", **data)  # token_ids, segment_ids, padding_mask
+    export = ["export", str(tmp_path / "bert.keras"), "--onnx"]
+    npz = str(tmp_path / "x.npz")
+
+    printed, rel_l2 = _cli_export(
+        export + [str(tmp_path / "f.onnx"), "--verify", npz], capsys
+    )
+    assert rel_l2 <= 1e-4 and "Q/DQ nodes: 0." in printed
+    printed, _ = _cli_export(
+        export + [str(tmp_path / "q.onnx"), "--calibrate", npz], capsys
+    )
+    assert "Calibration (max, 1 batches, 16 samples)" in printed
+    assert "output 'pooled_output'" in printed  # compared output by output
+    assert keras_mp.check_tensorrt(tmp_path / "q.onnx").num_qdq > 0
+    for path in (tmp_path / "f.onnx", tmp_path / "q.onnx"):
+        assert _graph_inputs(path) == dict.fromkeys(data, "int32")
+        assert len(onnx.load(path).graph.output) == 2

@@ -1,9 +1,11 @@
-"""The keras.applications zoo exports: float with ONNX Runtime parity, INT8
-lint-clean with every weighted op behind Q/DQ.
+"""The model zoo exports (keras.applications families, keras-hub backbones):
+float with ONNX Runtime parity, INT8 lint-clean with every weighted op
+behind Q/DQ.
 
 The zoo and its measurement live in `benchmarks/bench_zoo.py`, which
 writes the table in `docs/benchmarks.md`; a fast subset runs in
-`make test`, the whole zoo is marked slow.
+`make test`, the whole zoo is marked slow. The keras-hub rows need
+keras-hub: without it they fail with the install command.
 """
 
 import pytest
@@ -23,11 +25,27 @@ KNOWN_FAILURES = {
     "Xception": "INT8 coverage 41/75 weighted ops with DQ on both inputs "
     "(SeparableConv2D pointwise inputs not quantized); lint PASS",
 }
+# The fast subset is checked stage by stage (float, then INT8) on one
+# measurement; its known failures are those of the INT8 stage: model ->
+# reason.
+KNOWN_INT8_FAILURES = {
+    "BertBackbone_tiny": "issue 16: quantize_model reaches only the "
+    "backbone's top-level layers: 1 of 17 weighted ops (pooled_dense) "
+    "behind Q/DQ; the query/key/value/output EinsumDense, both attention "
+    "matmuls and both feed-forward Dense of each TransformerEncoder stay "
+    "float (lint PASS)",
+    "ViTBackbone_tiny": "issue 16: quantize_model raises 'No quantizable "
+    "layer in model' (every Conv2D, Dense and EinsumDense sits inside a "
+    "keras-hub custom layer), so no INT8 export",
+}
 
 
-def _check(row):
+def _check_float(row):
     assert row["float_error"] is None, row["float_error"]
     assert row["float_rel_l2"] <= FLOAT_MAX_REL_L2, row
+
+
+def _check_int8(row):
     assert row["int8_error"] is None, row["int8_error"]
     assert row["int8_lint_ok"], row
     assert row["weighted_ops"] > 0
@@ -36,24 +54,47 @@ def _check(row):
     assert row["int8_rel_l2"] is not None
 
 
-def _params(names):
+def _check(row):
+    _check_float(row)
+    _check_int8(row)
+
+
+def _params(names, failures):
     out = []
     for name in names:
         marks = []
-        if name in KNOWN_FAILURES:
-            marks.append(
-                pytest.mark.xfail(strict=True, reason=KNOWN_FAILURES[name])
-            )
+        if name in failures:
+            marks.append(pytest.mark.xfail(strict=True, reason=failures[name]))
         out.append(pytest.param(name, marks=marks, id=name))
     return out
 
 
-@pytest.mark.parametrize("name", _params(QUICK))
-def test_zoo_fast_subset_exports(name, tmp_path):
-    _check(measure(name, str(tmp_path)))
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    """`measure` of a fast-subset model, once for its float and INT8 tests."""
+    rows = {}
+
+    def get(name):
+        if name not in rows:
+            rows[name] = measure(name, str(tmp_path_factory.mktemp(name)))
+        return rows[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", QUICK)
+def test_zoo_fast_subset_float_export(name, measured):
+    _check_float(measured(name))
+
+
+@pytest.mark.parametrize("name", _params(QUICK, KNOWN_INT8_FAILURES))
+def test_zoo_fast_subset_int8_export(name, measured):
+    _check_int8(measured(name))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", _params([n for n in ZOO if n not in QUICK]))
+@pytest.mark.parametrize(
+    "name", _params([n for n in ZOO if n not in QUICK], KNOWN_FAILURES)
+)
 def test_zoo_exports(name, tmp_path):
     _check(measure(name, str(tmp_path)))
