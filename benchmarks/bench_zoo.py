@@ -252,6 +252,65 @@ def refresh_batchnorm(model, x):
         layer.momentum = momentum
 
 
+def _as_float64(value):
+    """A serialized config with every float32 dtype (policy) -> float64."""
+    if isinstance(value, list):
+        return [_as_float64(v) for v in value]
+    if isinstance(value, dict):
+        if value.get("class_name") == "DTypePolicy":
+            config = value.get("config", {})
+            if config.get("name") == "float32":
+                return {**value, "config": {**config, "name": "float64"}}
+        return {k: _as_float64(v) for k, v in value.items()}
+    return "float64" if value == "float32" else value
+
+
+def float64_outputs(model, x):
+    """`model`'s outputs on `x` computed in float64 (a copy rebuilt from its
+    config with every float32 policy made float64, the same weights): the
+    reference that both Keras float32 and ONNX Runtime float32 round away
+    from. None when the model does not rebuild in float64."""
+    try:
+        serialized = keras.saving.serialize_keras_object(model)
+        copy = keras.saving.deserialize_keras_object(
+            _as_float64(serialized), safe_mode=False
+        )
+        for mine, theirs in zip(copy.weights, model.weights):
+            mine.assign(np.asarray(theirs).astype(mine.dtype))
+        x64 = keras.tree.map_structure(
+            lambda a: a.astype(np.float64) if a.dtype == np.float32 else a, x
+        )
+        out = copy(x64, training=False)
+    except Exception:  # a model that cannot be rebuilt: no reference
+        return None
+    flat = keras.tree.flatten(out)
+    if any(np.asarray(o).dtype != np.float64 for o in flat):
+        return None
+    return np.concatenate([np.ravel(np.asarray(o)) for o in flat])
+
+
+def _ort_outputs(path, x):
+    """ONNX Runtime's outputs (graph optimizations off) on `x`, an array or
+    a dict by input name (the ONNX inputs carry the Keras names)."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = (
+        ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    )
+    session = ort.InferenceSession(
+        path, options, providers=["CPUExecutionProvider"]
+    )
+    names = [i.name for i in session.get_inputs()]
+    feed = dict(x) if isinstance(x, dict) else {names[0]: x}
+    return session.run(None, feed)
+
+
+def _rel_l2(got, want):
+    diff = np.linalg.norm(got.astype(np.float64) - want)
+    return float(diff / max(np.linalg.norm(want), 1e-30))
+
+
 def _first_line(error):
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0] if text else ''}"
@@ -290,11 +349,16 @@ def measure(name, directory):
             for o in keras.tree.flatten(model.predict(x_test, verbose=0))
         ]
     )
+    reference = float64_outputs(model, x_test)
     row = {
         "model": name,
         "source": "keras-hub" if name in HUB else "keras.applications",
         "params": int(model.count_params()),
         "logits_rms": float(np.sqrt(np.mean(np.square(outputs)))),
+        "keras_vs_float64": None
+        if reference is None
+        else _rel_l2(outputs, reference),
+        "onnx_vs_float64": None,
     }
 
     path = os.path.join(directory, f"{name}_float.onnx")
@@ -308,6 +372,11 @@ def measure(name, directory):
         )
         row["float_rel_l2"] = float(parity.rel_l2)
         row["float_top1"] = float(parity.top1_agreement)
+        if reference is not None:
+            got = _ort_outputs(path, x_test)
+            row["onnx_vs_float64"] = _rel_l2(
+                np.concatenate([np.ravel(o) for o in got]), reference
+            )
     except Exception as error:  # a finding, recorded in the table
         row["float_error"] = _first_line(error)
 
