@@ -148,7 +148,11 @@ def export_onnx(
             logits by about 1% against the float32 Keras model).
         fp16: bool. Cast everything that is not INT8 to float16 (inputs and
             outputs stay float32) for a strongly typed TensorRT build, Q/DQ
-            scales included; needs opset >= 19. Defaults to False.
+            scales included; needs opset >= 19. A scale below float16's
+            smallest normal number (an activation range under 7.75e-3) is
+            raised to it, with one `UserWarning` naming each Keras
+            quantizer and what its INT8 grid loses; the parity check
+            judges the raised graph. Defaults to False.
         allow_lint_violations: bool. For a model keras_mp quantized
             (`quantize_model`), a graph that breaks the TensorRT contract
             (`check_tensorrt`) raises an ExportError; True writes it with a
@@ -167,7 +171,9 @@ def export_onnx(
         ExportError: not exportable (never called, uncalibrated ranges,
             opset < 13, existing file without `overwrite`, an op tf2onnx
             cannot convert, `verify_data` that does not fit the inputs, a
-            TensorRT contract violation in a graph keras_mp quantized).
+            TensorRT contract violation in a graph keras_mp quantized; with
+            `fp16=True`, a constant beyond float16's range or a Q/DQ scale
+            that is not positive and finite).
         ParityError: ONNX Runtime disagrees with Keras past the tolerance.
 
     Example:
@@ -218,7 +224,7 @@ def export_onnx(
     proto = onnx_fp16.convert_version(proto, opset)
     if fp16:
         try:
-            proto = onnx_fp16.to_float16(proto)
+            proto = onnx_fp16.to_float16(proto, traced)
         except ValueError as e:
             raise ExportError(str(e)) from e
     onnx.checker.check_model(proto)
