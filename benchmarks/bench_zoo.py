@@ -15,7 +15,13 @@ signal of a random MobileNet dies out to 1e-17), then:
 
 - float: `keras_mp.export_onnx`, then `keras_mp.verify_onnx` on 8 random
   inputs (ONNX Runtime, graph optimizations off); goal: relative L2 of the
-  outputs (the worst output of several) <= 1e-4;
+  outputs (the worst output of several) <= 1e-4. Beside it, the same
+  model rebuilt with float64 policies and the same weights gives the
+  exact result, and both Keras float32 and ONNX Runtime float32 are
+  measured against it: on a deep random-weight network float32 itself
+  (summation order, fused kernels) moves the outputs by about 1e-4, so a
+  row whose ONNX Runtime is no further from float64 than 1.5x Keras
+  float32 is "ok (float32 noise)": the export added no error of its own;
 - INT8: `keras_mp.quantize_model` + `keras_mp.calibrate` (max) on 32 random
   inputs + `keras_mp.export_onnx` + `keras_mp.check_tensorrt`: lint
   verdict, Q/DQ nodes, and the weighted ops (Conv, ConvTranspose, MatMul,
@@ -47,6 +53,28 @@ import numpy as np  # noqa: E402
 import keras_mp  # noqa: E402
 
 FLOAT_MAX_REL_L2 = 1e-4
+# ONNX Runtime float32 is as faithful as Keras float32 when its distance to
+# the float64 result is at most this times Keras' own.
+FLOAT32_NOISE_FACTOR = 1.5
+
+
+def float_parity_verdict(row):
+    """The float parity verdict of a zoo row: "ok" (ONNX Runtime within
+    1e-4 of Keras), "ok (float32 noise)"
+    (further, but no further from the float64 result than Keras float32
+    is, times 1.5: both round a chaotic random-weight network apart), or
+    None (a real gap, or the export failed)."""
+    if row["float_error"] is not None:
+        return None
+    if row["float_rel_l2"] <= FLOAT_MAX_REL_L2:
+        return "ok"
+    keras64, onnx64 = row.get("keras_vs_float64"), row.get("onnx_vs_float64")
+    if keras64 is not None and onnx64 is not None:
+        if onnx64 <= max(FLOAT_MAX_REL_L2, FLOAT32_NOISE_FACTOR * keras64):
+            return "ok (float32 noise)"
+    return None
+
+
 SAMPLES = 8
 CALIBRATION = 32
 
@@ -66,7 +94,10 @@ INTRO = (
     "out), `ViTBackbone` (32x32, patch 8, 2 layers, hidden 32), "
     "`ResNetBackbone` (basic blocks, stages of 64 and 128 filters). "
     "Float: `export_onnx` then `verify_onnx` on 8 random inputs (goal: "
-    "relative L2 <= 1e-4, the worst output of several). INT8: "
+    "relative L2 <= 1e-4, the worst output of several; beside it, Keras "
+    "float32 and ONNX Runtime float32 against the model computed in float64 "
+    "with the same weights: 'ok (float32 noise)' when ONNX Runtime is no "
+    "further from float64 than 1.5x Keras float32). INT8: "
     "`quantize_model` + `calibrate` + `export_onnx` + `check_tensorrt`. "
     "`--quick` runs the fast subset of `tests/onnx/test_zoo.py`."
 )
@@ -430,6 +461,7 @@ def _table(rows):
         "output RMS",
         "float export",
         "float rel L2",
+        "rel L2 to float64: Keras / ONNX",
         "INT8 export",
         "INT8 lint",
         "Q/DQ nodes",
@@ -442,10 +474,8 @@ def _table(rows):
     for r in rows:
         if r["float_error"]:
             float_ok = f"error: `{r['float_error']}`"
-        elif r["float_rel_l2"] <= FLOAT_MAX_REL_L2:
-            float_ok = "ok"
         else:
-            float_ok = "parity over 1e-4"
+            float_ok = float_parity_verdict(r) or "parity over 1e-4"
         lint = "-"
         if r["int8_lint_ok"] is not None:
             lint = (
@@ -469,6 +499,8 @@ def _table(rows):
                 f"{r['logits_rms']:.2g}",
                 float_ok,
                 _fmt(r["float_rel_l2"], ".1e"),
+                f"{_fmt(r.get('keras_vs_float64'), '.1e')} / "
+                f"{_fmt(r.get('onnx_vs_float64'), '.1e')}",
                 f"error: `{r['int8_error']}`" if r["int8_error"] else "ok",
                 lint,
                 _fmt(r["qdq_nodes"], "d"),
@@ -506,16 +538,19 @@ def main():
                 flush=True,
             )
             keras.backend.clear_session()
-    float_ok = sum(
-        r["float_error"] is None and r["float_rel_l2"] <= FLOAT_MAX_REL_L2
-        for r in rows
+    float_ok = sum(float_parity_verdict(r) == "ok" for r in rows)
+    float_noise = sum(
+        float_parity_verdict(r) == "ok (float32 noise)" for r in rows
     )
     lint_ok = sum(bool(r["int8_lint_ok"]) for r in rows)
     full = sum(r["coverage"] == 1.0 for r in rows)
     summary = (
         f"{len(rows)} models; float export with relative L2 <= 1e-4 on "
         f"{SAMPLES} random inputs (ONNX Runtime, optimizations off): "
-        f"{float_ok}/{len(rows)}; INT8 export lint-clean: "
+        f"{float_ok}/{len(rows)}, and {float_noise} more within float32's "
+        f"own rounding (ONNX Runtime no further than {FLOAT32_NOISE_FACTOR}x "
+        "Keras float32 from the model computed in float64); INT8 export "
+        "lint-clean: "
         f"{lint_ok}/{len(rows)}; every weighted op behind Q/DQ: "
         f"{full}/{len(rows)}. Random weights, logits "
         f"(`classifier_activation=None`) or backbone features; INT8 "
