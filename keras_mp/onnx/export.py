@@ -255,13 +255,22 @@ def _check_tensorrt_contract(model, proto, allow_lint_violations):
     """`check_tensorrt` on the graph before it is written: an ExportError
     when keras_mp placed the Q/DQ itself (a violation is then a bug in the
     export, not in the model), unless `allow_lint_violations`; a warning for
-    graphs it did not quantize (float models, Keras' `model.quantize`)."""
+    graphs it did not quantize (float models, Keras' `model.quantize`), and
+    for a quantized model whose graph leaves weighted ops in float."""
     import warnings
 
     from keras_mp.onnx.tensorrt import check_tensorrt
 
     lint = check_tensorrt(proto, check_sparsity=False)
     if lint.ok:
+        left = [f for f in lint.warnings if f.rule == "float_weighted_ops"]
+        if left and _quantized_by_keras_mp(model):
+            warnings.warn(
+                f"Model {model.name!r} is quantized, but in its ONNX graph "
+                f"{left[0].message}",
+                UserWarning,
+                stacklevel=3,
+            )
         return
     rules = sorted({f.rule for f in lint.violations})
     nodes = [f"{f.node} ({f.rule})" for f in lint.violations[:10]]

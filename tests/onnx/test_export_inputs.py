@@ -228,6 +228,26 @@ def test_lint_violation_in_a_keras_mp_graph_raises_unless_allowed(tmp_path):
     assert not keras_mp.check_tensorrt(path).ok
 
 
+def test_a_quantized_model_with_float_weighted_ops_warns(tmp_path):
+    x = np.random.default_rng(5).random((16, 8, 8, 3), np.float32)
+    inputs = keras.Input((8, 8, 3))
+    h = keras.layers.Flatten()(keras.layers.Conv2D(4, 3, name="conv")(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(5, name="head")(h))
+    qmodel = keras_mp.quantize_model(
+        model, config={"head": keras_mp.QuantizeConfig(skip=True)}
+    )
+    keras_mp.calibrate(qmodel, x, verbose=0)
+    with pytest.warns(
+        UserWarning, match=r"is quantized, but .*1 of 2 weighted ops.*head"
+    ):
+        keras_mp.export_onnx(qmodel, tmp_path / "partly.onnx")
+    lint = keras_mp.check_tensorrt(tmp_path / "partly.onnx")
+    assert lint.ok and (lint.weighted_ops, lint.weighted_ops_quantized) == (
+        2,
+        1,
+    )
+
+
 def _cli_export(argv, capsys):
     assert cli.main(argv) == 0, capsys.readouterr().err
     printed = capsys.readouterr().out
