@@ -18,6 +18,7 @@ from keras_mp.quantization.quantizers import (
     fake_quant,
     fake_quant_learned,
 )
+from keras_mp.quantization.separable import separable_conv
 
 
 @keras.saving.register_keras_serializable(package="keras_mp")
@@ -49,6 +50,7 @@ class QuantizeActivation(keras.layers.Layer):
         self.learned_range = learned_range
         self.enabled = True
         self.collector = None  # set by keras_mp.calibrate
+        self.supports_masking = True  # a Q/DQ keeps its input's mask
 
     def build(self, input_shape):
         self.amax = self.add_weight(
@@ -152,6 +154,15 @@ def _num_channels(shape, out_axes):
     return (math.prod(int(shape[a]) for a in out_axes),)
 
 
+def weight_amax(kernel, out_axes):
+    """`max|w|` of `kernel` per output channel (over `out_axes`, merged), or
+    over the whole tensor when `out_axes` is `()` (float32)."""
+    view, axis, _ = _channel_view(kernel, out_axes)
+    if axis is None:
+        return tf.reduce_max(tf.abs(tf.cast(view, tf.float32)))
+    return channel_amax(view, axis)
+
+
 @keras.saving.register_keras_serializable(package="keras_mp")
 class QuantizeWrapper(keras.layers.Wrapper):
     """Fake-quantizes a layer's inputs and weights the way TensorRT wants.
@@ -190,6 +201,13 @@ class QuantizeWrapper(keras.layers.Wrapper):
                 f"be quantized. Supported types: {supported}. Leave it out "
                 "of the selection or give it `QuantizeConfig(skip=True)`."
             )
+        if row.attention:
+            raise ValueError(
+                f"Layer {layer.name!r} of type {type(layer).__name__} keeps "
+                "its weights in sublayers, which a wrapper cannot reach. "
+                "Quantize the model that holds it with "
+                "keras_mp.quantize_model(model), which quantizes it in place."
+            )
         kwargs.setdefault("dtype", layer.dtype_policy)
         kwargs.setdefault("name", f"quant_{layer.name}")
         super().__init__(layer, **kwargs)
@@ -199,6 +217,7 @@ class QuantizeWrapper(keras.layers.Wrapper):
         self.row = row
         self.input_indices = input_indices
         self.input_quantizers = []
+        self.inner_quantizers = []
         self._weights_enabled = True
 
     def _resolve_indices(self, input_shape):
@@ -223,9 +242,18 @@ class QuantizeWrapper(keras.layers.Wrapper):
             )
             for i in self.input_indices
         ]
+        if self.row.separable:
+            self.inner_quantizers = [
+                QuantizeActivation(
+                    num_bits=self.config.num_bits,
+                    learned_range=self.config.learned_range,
+                    name="pointwise_input",
+                    dtype="float32",
+                )
+            ]
         if not self.layer.built:
             self.layer.build(input_shape)
-        for q in self.input_quantizers:
+        for q in self.input_quantizers + self.inner_quantizers:
             q.build(())
         self.weight_ranges = []
         for weight in self.row.weights:
@@ -248,10 +276,7 @@ class QuantizeWrapper(keras.layers.Wrapper):
             amax.assign(self._weight_amax(getattr(self.layer, attr), axes))
 
     def _weight_amax(self, kernel, axes):
-        view, axis, _ = _channel_view(kernel, axes)
-        if axis is None:
-            return tf.reduce_max(tf.abs(tf.cast(view, tf.float32)))
-        return channel_amax(view, axis)
+        return weight_amax(kernel, axes)
 
     @property
     def enabled(self):
@@ -259,7 +284,7 @@ class QuantizeWrapper(keras.layers.Wrapper):
 
     @enabled.setter
     def enabled(self, value):
-        for q in self.input_quantizers:
+        for q in self.input_quantizers + self.inner_quantizers:
             q.enabled = value
         self._weights_enabled = value
 
@@ -290,13 +315,22 @@ class QuantizeWrapper(keras.layers.Wrapper):
                 values[i] = q(values[i], training=training)
             inputs = values if many else values[0]
         calibrating = any(
-            q.collector is not None for q in self.input_quantizers
+            q.collector is not None
+            for q in self.input_quantizers + self.inner_quantizers
         )
         if not self.weight_ranges or not self._weights_enabled or calibrating:
-            return self.layer(inputs)
+            return self._layer_call(inputs, training)
         mapping = self._quantized_weights(training)
         with keras.StatelessScope(state_mapping=mapping):
+            return self._layer_call(inputs, training)
+
+    def _layer_call(self, inputs, training):
+        if not self.inner_quantizers:
             return self.layer(inputs)
+        (q,) = self.inner_quantizers
+        return separable_conv(
+            self.layer, inputs, lambda x: q(x, training=training)
+        )
 
     def compute_output_shape(self, input_shape):
         return self.layer.compute_output_shape(input_shape)
@@ -311,11 +345,17 @@ class QuantizeWrapper(keras.layers.Wrapper):
 
 
 def iter_quantize_layers(model):
-    """Yields every QuantizeWrapper / QuantizeActivation in `model`, at any
-    depth (the activation quantizers inside wrappers are not repeated)."""
+    """Yields every QuantizeWrapper, stand-alone QuantizeActivation and
+    quantized twin (`twins.py`) in `model`, at any depth; the activation
+    quantizers inside wrappers and twins are not repeated."""
+    from keras_mp.quantization import twins  # imports this module
+
+    owned = twins.owned_quantizers(model)
     stop = (QuantizeWrapper, QuantizeActivation)
     for layer in _models.walk_layers(model, stop_at=stop):
-        if isinstance(layer, stop):
+        if twins.is_quantized(layer) or (
+            isinstance(layer, stop) and id(layer) not in owned
+        ):
             yield layer
 
 
