@@ -182,6 +182,9 @@ class QuantizeWrapper(keras.layers.Wrapper):
         input_indices: list of int. Which inputs get a Q/DQ; defaults to the
             table row (all inputs of weighted layers and Concatenate, none for
             pooling). `quantize_apply` resolves the residual-Add rule here.
+        pointwise_input: bool or None. For a separable convolution, a Q/DQ
+            on the pointwise input (the depthwise output); None follows the
+            table row. Files saved before it existed load without it.
         **kwargs: Base layer arguments.
 
     Raises:
@@ -192,7 +195,14 @@ class QuantizeWrapper(keras.layers.Wrapper):
     >>> layer = keras_mp.QuantizeWrapper(keras.layers.Dense(10))
     """
 
-    def __init__(self, layer, config=None, input_indices=None, **kwargs):
+    def __init__(
+        self,
+        layer,
+        config=None,
+        input_indices=None,
+        pointwise_input=None,
+        **kwargs,
+    ):
         row = quantizable_row(layer)
         if row is None:
             supported = ", ".join(layer_table.quantizable_names())
@@ -216,6 +226,9 @@ class QuantizeWrapper(keras.layers.Wrapper):
         self.config = config or QuantizeConfig()
         self.row = row
         self.input_indices = input_indices
+        self.pointwise_input = (
+            row.separable if pointwise_input is None else bool(pointwise_input)
+        )
         self.input_quantizers = []
         self.inner_quantizers = []
         self._weights_enabled = True
@@ -242,7 +255,7 @@ class QuantizeWrapper(keras.layers.Wrapper):
             )
             for i in self.input_indices
         ]
-        if self.row.separable:
+        if self.pointwise_input:
             self.inner_quantizers = [
                 QuantizeActivation(
                     num_bits=self.config.num_bits,
@@ -340,8 +353,15 @@ class QuantizeWrapper(keras.layers.Wrapper):
         config.update(
             config=self.config.get_config(),
             input_indices=self.input_indices,
+            pointwise_input=self.pointwise_input,
         )
         return config
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        # Saved before the pointwise Q/DQ existed: its weights lack it.
+        config = {"pointwise_input": False, **config}
+        return super().from_config(config, custom_objects)
 
 
 def iter_quantize_layers(model):
