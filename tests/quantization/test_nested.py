@@ -358,3 +358,57 @@ def test_attention_export_is_lint_clean_with_fused_pattern(tmp_path):
     # proj, Q, K, V, both attention matmuls, output projection, head
     assert lint.weighted_ops == lint.weighted_ops_quantized == 8
     assert _fused_attention_chains(path) == [True]
+
+
+def test_qat_under_mirrored_strategy(mirrored_strategy):
+    x = _x()
+    with mirrored_strategy.scope():
+        qmodel = keras_mp.quantize_model(_block_model())
+        qmodel.compile(keras.optimizers.SGD(1e-2), "mse")
+    keras_mp.calibrate(qmodel, x, verbose=0)
+    before = {n: float(q.amax.numpy()) for n, q in _quantizers(qmodel).items()}
+    history = qmodel.fit(x, np.zeros((32, 3)), epochs=2, verbose=0)
+    assert np.isfinite(history.history["loss"]).all()
+    after = {n: float(q.amax.numpy()) for n, q in _quantizers(qmodel).items()}
+    assert after == before  # calibrated ranges stay frozen in QAT
+
+
+def _quantizers(model):
+    from keras_mp.quantization.calibrate import _activation_quantizers
+
+    return _activation_quantizers(model)
+
+
+class _Interrupt(keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == 1:
+            raise RuntimeError("interrupted")
+
+
+@pytest.mark.slow  # three quantize + fit runs
+def test_backup_and_restore_resumes_qat_bit_for_bit(tmp_path):
+    x, y = _x(), np.zeros((32, 3))
+
+    def quantized():
+        keras.utils.set_random_seed(0)
+        qmodel = keras_mp.quantize_model(_block_model())
+        keras_mp.calibrate(qmodel, x, verbose=0)
+        qmodel.compile(keras.optimizers.Adam(1e-3), "mse")
+        return qmodel
+
+    reference = quantized()
+    reference.fit(x, y, epochs=4, shuffle=False, verbose=0)
+    backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
+    with pytest.raises(RuntimeError, match="interrupted"):
+        quantized().fit(
+            x,
+            y,
+            epochs=4,
+            shuffle=False,
+            verbose=0,
+            callbacks=[backup, _Interrupt()],
+        )
+    resumed = quantized()
+    resumed.fit(x, y, epochs=4, shuffle=False, verbose=0, callbacks=[backup])
+    for a, b in zip(reference.weights, resumed.weights, strict=True):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
