@@ -338,8 +338,8 @@ class QuantizeWrapper(keras.layers.Wrapper):
             return self._layer_call(inputs, training)
 
     def _layer_call(self, inputs, training):
-        if not self.inner_quantizers:
-            return self.layer(inputs)
+        if not self.inner_quantizers or not self._weights_enabled:
+            return self.layer(inputs)  # turned off: the float layer exactly
         (q,) = self.inner_quantizers
         return separable_conv(
             self.layer, inputs, lambda x: q(x, training=training)

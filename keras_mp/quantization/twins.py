@@ -183,6 +183,8 @@ class QuantizedLayer:
     def call(self, *args, **kwargs):
         args, kwargs = self._quantize_inputs(args, kwargs)
         pointwise = self.inner_quantizers[0] if self.inner_quantizers else None
+        if not self.enabled:  # turned off: the float layer exactly
+            pointwise = None
         if (
             not self.weight_quantizers
             or not self.enabled

@@ -150,3 +150,23 @@ def test_export_puts_every_matmul_behind_qdq(make, tmp_path):
 )
 def test_random_vit_export_parity(tmp_path):
     _exported("vit", tmp_path, verify=True)
+
+
+def test_cached_attention_gets_the_attention_qdq(tmp_path):
+    inputs = keras.Input((6, 8))
+    attention = keras_hub.layers.CachedMultiHeadAttention(2, 4, name="att")
+    model = keras.Model(inputs, attention(inputs, inputs))
+    qmodel = keras_mp.quantize_model(model)
+    layer = qmodel.model.get_layer("att")
+    assert twins.is_quantized(layer) and layer.input_names == ["query"]
+    assert len(layer.attention_quantizers) == 4
+    x = np.random.default_rng(0).standard_normal((16, 6, 8)).astype("float32")
+    report = keras_mp.calibrate(qmodel, x, verbose=0)
+    assert report.ranges["att/attention_probs"] > 0
+    got = keras.ops.convert_to_numpy(qmodel(x))
+    want = keras.ops.convert_to_numpy(model(x))
+    assert 0 < np.linalg.norm(got - want) / np.linalg.norm(want) < 0.05
+    path = tmp_path / "q.keras"
+    qmodel.save(path)
+    loaded = keras.saving.load_model(path, safe_mode=True)
+    np.testing.assert_array_equal(loaded(x), got)

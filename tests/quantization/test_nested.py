@@ -331,6 +331,8 @@ def _fused_attention_chains(path):
         first = first_matmul(softmax.input[0])
         out, seen, second = softmax.output[0], [], None
         for _ in range(8):
+            if not graph.consumers.get(out):
+                break  # a classifier's softmax: the graph output
             (consumer, _), *_ = graph.consumers[out]
             if consumer.op_type == "MatMul":
                 second = consumer
@@ -412,3 +414,32 @@ def test_backup_and_restore_resumes_qat_bit_for_bit(tmp_path):
     resumed.fit(x, y, epochs=4, shuffle=False, verbose=0, callbacks=[backup])
     for a, b in zip(reference.weights, resumed.weights, strict=True):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+@keras.saving.register_keras_serializable(package=PACKAGE)
+class Annotated(keras.Model):
+    """Marks one of its layers while building."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.fc = keras_mp.quantize_annotate_layer(L.Dense(4))
+        self.head = L.Dense(2)
+
+    def call(self, x):
+        return self.head(self.fc(x))
+
+
+def test_annotate_then_apply_in_place(tmp_path):
+    x = _x()
+    annotated = keras_mp.quantize_annotate_model(_net(), layers="block.*")
+    assert not twins.quantized_layers(annotated)
+    qmodel = keras_mp.quantize_apply(annotated)
+    (layer,) = twins.quantized_layers(qmodel)
+    assert "block" in layer.quantize_path
+    model = Annotated(name="annotated")
+    model(x)
+    qmodel = keras_mp.quantize_apply(model)
+    (layer,) = twins.quantized_layers(qmodel)
+    assert layer.units == 4  # only the annotated Dense
+    keras_mp.calibrate(qmodel, x, verbose=0)
+    _round_trip(qmodel, tmp_path, x)
