@@ -86,17 +86,7 @@ def quantize_annotate_layer(layer, config=None):
 
 
 def _config_for(layer, config):
-    if config is None or isinstance(config, QuantizeConfig):
-        return config
-    if isinstance(config, dict):
-        for key, value in config.items():
-            if layer_matcher(key)(layer):
-                return value
-        return None
-    raise TypeError(
-        "`config` must be a QuantizeConfig or a dict mapping layer names "
-        f"(or regexes) to QuantizeConfig. Received: {type(config).__name__}"
-    )
+    return inplace.config_for((layer,), config)
 
 
 def graph_layers(model):

@@ -66,7 +66,9 @@ def copy_model(model, caller):
     return copy
 
 
-def _config_for(chain, config):
+def config_for(chain, config):
+    """The `QuantizeConfig` of the first entry of `config` matching a layer
+    of `chain` (the layer, then the layers holding it, nearest first)."""
     if config is None or isinstance(config, QuantizeConfig):
         return config
     if not isinstance(config, dict):
@@ -114,7 +116,7 @@ def choose(model, layers=None, config=None, annotated=False):
         chain = (layer,) + tuple(reversed(parents))
         if not any(match(item) for item in chain):
             continue
-        layer_config = _config_for(chain, config)
+        layer_config = config_for(chain, config)
         if annotated:
             layer_config = _annotation(chain)
             if layer_config is None:

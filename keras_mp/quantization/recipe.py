@@ -9,6 +9,7 @@ layer names are not, for layers that custom layers create without one.
 
 import collections
 import dataclasses
+import functools
 import warnings
 
 import keras
@@ -16,9 +17,14 @@ import numpy as np
 
 from keras_mp import _inputs, _keras, _models, layer_table
 from keras_mp.layer_table import ALL_INPUTS, NO_INPUTS, SKIP_INPUTS
-from keras_mp.quantization import twins
+from keras_mp.quantization import attention, twins
+from keras_mp.quantization.attention import (
+    ATTENTION_MATMUL_INPUTS,
+    QuantizedAttention,
+)
 from keras_mp.quantization.config import QuantizeConfig
-from keras_mp.quantization.layers import quantizable_row
+from keras_mp.quantization.layers import QuantizeActivation, quantizable_row
+from keras_mp.quantization.twins import QuantizedLayer, WeightQuantizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,11 +53,10 @@ class Recipe:
 
 
 def float_class_name(layer):
+    """The name of `layer`'s class, of its float class for a twin."""
     cls = type(layer)
     return (
-        (cls.float_class or cls).__name__
-        if twins.is_quantized(layer)
-        else cls.__name__
+        cls.float_class.__name__ if twins.is_quantized(layer) else cls.__name__
     )
 
 
@@ -93,6 +98,86 @@ def check_same_structure(model, layers, what):
     )
 
 
+@functools.cache
+def twin_class(cls):
+    """The quantized twin of layer class `cls`: a subclass of it and of
+    `QuantizedLayer` (`QuantizedAttention` for attention layers)."""
+    base = (
+        QuantizedAttention
+        if issubclass(cls, keras.layers.MultiHeadAttention)
+        else QuantizedLayer
+    )
+    return type(
+        f"Quantized{cls.__name__}",
+        (base, cls),
+        {"float_class": cls, "__module__": __name__},
+    )
+
+
+def _activation(config, name):
+    q = QuantizeActivation(
+        num_bits=config.num_bits,
+        learned_range=config.learned_range,
+        name=name,
+        dtype="float32",
+    )
+    q.build(())
+    return q
+
+
+def attach(layer, row, config, inputs, path):
+    """Turns `layer` into its quantized twin, in place.
+
+    Args:
+        layer: a built layer of a quantizable table row.
+        row: its `layer_table.LayerRow`.
+        config: `QuantizeConfig`.
+        inputs: the inputs that get a Q/DQ: indices, or for an attention
+            layer the names (`ATTENTION_INPUTS`) that own one.
+        path: str. The layer's path of names below the model.
+    """
+    with _keras.unlocked(layer):
+        layer.quantize_config = config
+        layer.quantize_path = path
+        layer._quantize_enabled = True
+        layer.weight_attrs = [w.attr for w in row.weights]
+        layer.weight_quantizers = []
+        for weight in row.weights:
+            axes = weight.out_axes if config.per_channel else ()
+            q = WeightQuantizer(
+                axes, config.num_bits, name=f"{layer.name}_{weight.attr}_q"
+            )
+            q.build(getattr(layer, weight.attr).shape)
+            layer.weight_quantizers.append(q)
+        if row.attention:
+            layer.input_names = list(inputs)
+            layer.input_indices = []
+            layer.input_quantizers = [
+                _activation(config, f"{layer.name}_{name}_input")
+                for name in inputs
+            ]
+            layer.attention_quantizers = (
+                [
+                    _activation(config, f"{layer.name}_attention_{name}")
+                    for name in ATTENTION_MATMUL_INPUTS
+                ]
+                if config.attention
+                else []
+            )
+        else:
+            layer.input_indices = [int(i) for i in inputs]
+            layer.input_quantizers = [
+                _activation(config, f"{layer.name}_input_{i}") for i in inputs
+            ]
+        layer.inner_quantizers = (
+            [_activation(config, f"{layer.name}_pointwise_input")]
+            if row.separable
+            else []
+        )
+    object.__setattr__(layer, "__class__", twin_class(type(layer)))
+    layer.update_weight_ranges()
+
+
 def apply_recipe(model, recipe):
     """Quantizes the float `model` in place as `recipe` says.
 
@@ -103,7 +188,7 @@ def apply_recipe(model, recipe):
     walked = walk(model)
     for entry in recipe.entries:
         layer, parents = walked[entry["index"]]
-        twins.attach(
+        attach(
             layer,
             quantizable_row(layer),
             QuantizeConfig.from_config(entry["config"]),
@@ -139,20 +224,20 @@ def input_placement(layer, row, config, skip_indices):
 
 def _probe_calls(model, layers):
     """Runs `model` once on zeros with each of `layers` recording its calls:
-    `{id(layer): [sources, ...]}` (`twins.attention_sources` for attention
+    `{id(layer): [sources, ...]}` (`attention.attention_sources` for attention
     layers, None for others). None when the model cannot be run so."""
     calls = collections.defaultdict(list)
     probes = {}
 
     def probe_class(cls):
         if cls not in probes:
-            attention = issubclass(cls, keras.layers.MultiHeadAttention)
+            is_attention = issubclass(cls, keras.layers.MultiHeadAttention)
 
             def __call__(self, *args, **kwargs):
                 sources = None
-                if attention:
+                if is_attention:
                     arguments = twins.bind_call(cls, self, args, kwargs)
-                    sources = twins.attention_sources(arguments)
+                    sources = attention.attention_sources(arguments)
                 calls[id(self)].append(sources)
                 return cls.__call__(self, *args, **kwargs)
 
@@ -165,7 +250,16 @@ def _probe_calls(model, layers):
         for layer, cls in originals:
             object.__setattr__(layer, "__class__", probe_class(cls))
         model(sample, training=False)
-    except Exception:  # a model that needs real data: no probe
+    except Exception as e:  # a model that needs real data: no probe
+        if any(isinstance(x, keras.layers.MultiHeadAttention) for x in layers):
+            warnings.warn(
+                f"Could not run model {model.name!r} on zeros to see which "
+                "attention inputs are one tensor "
+                f"({type(e).__name__}: {e}); query, key and value of every "
+                "attention layer get a Q/DQ each (identical ones for one "
+                "tensor).",
+                stacklevel=5,
+            )
         return None
     finally:
         for layer, cls in originals:
@@ -188,9 +282,9 @@ def _attention_inputs(calls):
     """The input names that own a Q/DQ: one per distinct tensor of every
     call the probe saw; all three when it saw none."""
     if not calls or any(c is None for c in calls):
-        return list(twins.ATTENTION_INPUTS)
+        return list(attention.ATTENTION_INPUTS)
     needed = {source for c in calls for source in c.values()}
-    return [n for n in twins.ATTENTION_INPUTS if n in needed]
+    return [n for n in attention.ATTENTION_INPUTS if n in needed]
 
 
 def make_recipe(structure, choices, skip_indices):
@@ -247,7 +341,7 @@ def make_recipe(structure, choices, skip_indices):
             f"Layers called more than once (shared weights): "
             f"{', '.join(shared)}. Each gets one input Q/DQ whose range "
             "covers all its calls (one scale for every call).",
-            stacklevel=3,
+            stacklevel=4,
         )
     layers = tuple(float_class_name(layer) for layer, _ in walked)
     return Recipe(tuple(entries), layers)

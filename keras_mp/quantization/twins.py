@@ -3,11 +3,12 @@
 A layer inside a custom layer, a subclassed model, a keras-hub backbone or a
 `MultiHeadAttention` has no place in a layer graph that a wrapper could
 take. It is quantized where it is instead: its class becomes its quantized
-twin, a subclass of its own class (`twin_class`) that owns the
+twin, a subclass of its own class (`recipe.twin_class`) that owns the
 fake-quantizers and overrides `call`; the layer keeps its name, its
 variables and every reference to it. The twin classes are never saved:
 `QuantizedModel` saves the float model's config and the recipe, and applies
-the recipe again on load (`recipe.py`). Guide: `docs/quantization.md`.
+the recipe again on load (`recipe.py`). The attention twin is in
+`attention.py`. Guide: `docs/quantization.md`.
 """
 
 import contextlib
@@ -19,19 +20,12 @@ import keras
 from keras_mp import _keras, _models
 from keras_mp.quantization.config import QuantizeConfig
 from keras_mp.quantization.layers import (
-    QuantizeActivation,
     _channel_view,
     _num_channels,
     weight_amax,
 )
 from keras_mp.quantization.quantizers import fake_quant
 from keras_mp.quantization.separable import separable_conv
-
-# The inputs of a MultiHeadAttention call that feed its projections.
-ATTENTION_INPUTS = ("query", "value", "key")
-# The inputs of its two matmuls: scaled query and key, softmax output and
-# value.
-ATTENTION_MATMUL_INPUTS = ("query", "key", "probs", "value")
 
 
 @keras.saving.register_keras_serializable(package="keras_mp")
@@ -163,7 +157,7 @@ class QuantizedLayer:
         if args:
             x, rest = args[0], args[1:]
         else:
-            name = _first_parameter(self.float_class)
+            name = first_parameter(self.float_class)
             x, rest = kwargs.pop(name), ()
         many = isinstance(x, (list, tuple))
         values = list(x) if many else [x]
@@ -200,122 +194,9 @@ class QuantizedLayer:
         return separable_conv(self, args[0], pointwise)
 
 
-class QuantizedAttention(QuantizedLayer):
-    """The quantized twin of a `keras.layers.MultiHeadAttention` (or of a
-    subclass calling `_compute_attention`, as keras-hub's
-    `CachedMultiHeadAttention` does).
-
-    Its call inputs are fake-quantized once per distinct tensor before the
-    query, key and value projections (`input_names`: which of `query`,
-    `value`, `key` own a `QuantizeActivation`; a self-attention call feeds
-    one shared Q/DQ to all three), so TensorRT can fuse that one DQ into
-    each GEMM. With `quantize_config.attention`, the attention takes the
-    einsum path and `attention_quantizers` fake-quantize the scaled query,
-    the key, the softmax output and the value.
-    """
-
-    def named_quantizers(self):
-        named = {
-            f"input_{name}": q
-            for name, q in zip(self.input_names, self.input_quantizers)
-        }
-        for name, q in zip(ATTENTION_MATMUL_INPUTS, self.attention_quantizers):
-            named[f"attention_{name}"] = q
-        return named
-
-    def __call__(self, *args, **kwargs):
-        # The inputs' identity, before Keras casts them (a cast makes two
-        # tensors of one): which call inputs are one tensor.
-        arguments = bind_call(self.float_class, self, args, kwargs)
-        self._input_sources = attention_sources(arguments)
-        return super().__call__(*args, **kwargs)
-
-    def call(self, *args, **kwargs):
-        if not self.input_quantizers:
-            return super(QuantizedLayer, self).call(*args, **kwargs)
-        arguments = bind_call(self.float_class, self, args, kwargs)
-        sources = getattr(self, "_input_sources", None)
-        sources = sources or attention_sources(arguments)
-        quantized = {}
-        for name in ATTENTION_INPUTS:
-            if arguments.get(name) is None:
-                continue
-            source = name if name in self.input_names else sources[name]
-            if source not in self.input_names:
-                raise ValueError(
-                    f"Layer {self.name!r} was quantized with one input Q/DQ "
-                    f"for {', '.join(self.input_names)} (as it was called "
-                    f"then), but is now called with a `{name}` tensor of "
-                    "its own. Quantize the model again from the float "
-                    "model, calling the layer as it will be used."
-                )
-            if source not in quantized:
-                q = self.input_quantizers[self.input_names.index(source)]
-                quantized[source] = _like(
-                    q(arguments[source]), arguments[source]
-                )
-            arguments[name] = quantized[source]
-        return super(QuantizedLayer, self).call(**arguments)
-
-    def _compute_attention(
-        self,
-        query,
-        key,
-        value,
-        attention_mask=None,
-        training=None,
-        return_attention_scores=False,
-        use_causal_mask=False,
-    ):
-        if not self.attention_quantizers or not self.enabled:
-            kwargs = {"use_causal_mask": True} if use_causal_mask else {}
-            return super()._compute_attention(
-                query,
-                key,
-                value,
-                attention_mask,
-                training,
-                return_attention_scores,
-                **kwargs,
-            )
-        if use_causal_mask:
-            causal = _keras.causal_mask(self, query, value)
-            attention_mask = (
-                causal
-                if attention_mask is None
-                else keras.ops.logical_and(
-                    keras.ops.cast(attention_mask, "bool"), causal
-                )
-            )
-        hooks = {
-            name: functools.partial(_quantize_like, q)
-            for name, q in zip(
-                ATTENTION_MATMUL_INPUTS, self.attention_quantizers
-            )
-        }
-        return _keras.einsum_attention(
-            self, query, key, value, attention_mask, training, hooks
-        )
-
-
-def _quantize_like(quantizer, x):
-    return _like(quantizer(x), x)
-
-
-def attention_sources(arguments):
-    """For `query`, `value` and `key` of a MultiHeadAttention call: the
-    first of them that is the same tensor (`key` defaults to `value`)."""
-    query, value, key = (arguments.get(n) for n in ATTENTION_INPUTS)
-    sources = {"query": "query"}
-    sources["value"] = "query" if value is query else "value"
-    if key is None or key is value:
-        sources["key"] = sources["value"]
-    else:
-        sources["key"] = "query" if key is query else "key"
-    return sources
-
-
 def bind_call(cls, layer, args, kwargs):
+    """The arguments of `layer.call(*args, **kwargs)` by name, as `cls.call`
+    names them (`self` left out)."""
     bound = _signature(cls).bind(layer, *args, **kwargs)
     arguments = dict(bound.arguments)
     arguments.pop(next(iter(arguments)))  # self
@@ -327,93 +208,13 @@ def _signature(cls):
     return inspect.signature(cls.call)
 
 
-def _first_parameter(cls):
+def first_parameter(cls):
     return list(_signature(cls).parameters)[1]
-
-
-@functools.cache
-def twin_class(cls):
-    """The quantized twin of layer class `cls`: a subclass of it and of
-    `QuantizedLayer` (`QuantizedAttention` for attention layers)."""
-    base = (
-        QuantizedAttention
-        if issubclass(cls, keras.layers.MultiHeadAttention)
-        else QuantizedLayer
-    )
-    return type(
-        f"Quantized{cls.__name__}",
-        (base, cls),
-        {"float_class": cls, "__module__": __name__},
-    )
 
 
 def is_quantized(layer):
     """Whether `layer` is a quantized twin."""
     return isinstance(layer, QuantizedLayer)
-
-
-def _activation(config, name):
-    q = QuantizeActivation(
-        num_bits=config.num_bits,
-        learned_range=config.learned_range,
-        name=name,
-        dtype="float32",
-    )
-    q.build(())
-    return q
-
-
-def attach(layer, row, config, inputs, path):
-    """Turns `layer` into its quantized twin, in place.
-
-    Args:
-        layer: a built layer of a quantizable table row.
-        row: its `layer_table.LayerRow`.
-        config: `QuantizeConfig`.
-        inputs: the inputs that get a Q/DQ: indices, or for an attention
-            layer the names (`ATTENTION_INPUTS`) that own one.
-        path: str. The layer's path of names below the model.
-    """
-    with _keras.unlocked(layer):
-        layer.quantize_config = config
-        layer.quantize_path = path
-        layer._quantize_enabled = True
-        layer.weight_attrs = [w.attr for w in row.weights]
-        layer.weight_quantizers = []
-        for weight in row.weights:
-            axes = weight.out_axes if config.per_channel else ()
-            q = WeightQuantizer(
-                axes, config.num_bits, name=f"{layer.name}_{weight.attr}_q"
-            )
-            q.build(getattr(layer, weight.attr).shape)
-            layer.weight_quantizers.append(q)
-        if row.attention:
-            layer.input_names = list(inputs)
-            layer.input_indices = []
-            layer.input_quantizers = [
-                _activation(config, f"{layer.name}_{name}_input")
-                for name in inputs
-            ]
-            layer.attention_quantizers = (
-                [
-                    _activation(config, f"{layer.name}_attention_{name}")
-                    for name in ATTENTION_MATMUL_INPUTS
-                ]
-                if config.attention
-                else []
-            )
-        else:
-            layer.input_indices = [int(i) for i in inputs]
-            layer.input_quantizers = [
-                _activation(config, f"{layer.name}_input_{i}") for i in inputs
-            ]
-        layer.inner_quantizers = (
-            [_activation(config, f"{layer.name}_pointwise_input")]
-            if row.separable
-            else []
-        )
-    object.__setattr__(layer, "__class__", twin_class(type(layer)))
-    layer.update_weight_ranges()
 
 
 def quantized_layers(model):
@@ -436,11 +237,11 @@ def owned_quantizers(model):
 def float_classes(model):
     """Within the block, every twin inside `model` has its float class back,
     so Keras serializes the float model (its config holds no twin)."""
-    twins = quantized_layers(model)
-    for layer in twins:
-        object.__setattr__(layer, "__class__", type(layer).float_class)
+    switched = [(layer, type(layer)) for layer in quantized_layers(model)]
+    for layer, twin in switched:
+        object.__setattr__(layer, "__class__", twin.float_class)
     try:
         yield
     finally:
-        for layer in twins:
-            object.__setattr__(layer, "__class__", twin_class(type(layer)))
+        for layer, twin in switched:
+            object.__setattr__(layer, "__class__", twin)

@@ -443,3 +443,33 @@ def test_annotate_then_apply_in_place(tmp_path):
     assert layer.units == 4  # only the annotated Dense
     keras_mp.calibrate(qmodel, x, verbose=0)
     _round_trip(qmodel, tmp_path, x)
+
+
+@keras.saving.register_keras_serializable(package=PACKAGE)
+class Picky(keras.Model):
+    """Self-attention in a model that refuses all-zero data."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.attention = L.MultiHeadAttention(2, 4)
+
+    def call(self, x):
+        if tf.executing_eagerly() and not np.any(x):
+            raise ValueError("needs real data")
+        return self.attention(x, x)
+
+
+def test_attention_without_probe_gets_one_qdq_per_input():
+    model = Picky(name="picky")
+    x = _x(4, (5, 8))
+    model(x)
+    with pytest.warns(UserWarning, match="Could not run model 'picky'"):
+        qmodel = keras_mp.quantize_model(model)
+    (attention,) = [
+        layer
+        for layer in twins.quantized_layers(qmodel)
+        if isinstance(layer, L.MultiHeadAttention)
+    ]
+    assert attention.input_names == ["query", "value", "key"]
+    report = keras_mp.calibrate(qmodel, x, verbose=0)
+    assert all(amax > 0 for amax in report.ranges.values())  # none unused
