@@ -61,6 +61,7 @@ from keras_mp.quantization import (
     QuantizeActivation,
     QuantizeAnnotate,
     QuantizeConfig,
+    QuantizedModel,
     QuantizeWrapper,
     calibrate,
     quantization_report,

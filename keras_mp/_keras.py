@@ -7,6 +7,7 @@ breaks this module only, loudly. Read from Keras 3.15.1 and TensorFlow
 range below and fails on one that lacks a method keras_mp overrides.
 """
 
+import contextlib
 import re
 import warnings
 
@@ -77,6 +78,11 @@ def nodes_by_depth(graph):
 def inbound_nodes(layer):
     """The nodes at which `layer` was called in Functional graphs."""
     return list(layer._inbound_nodes)
+
+
+def outbound_nodes(layer):
+    """The nodes at which outputs of `layer` were taken as inputs."""
+    return list(layer._outbound_nodes)
 
 
 def keras_history(tensor):
@@ -192,3 +198,105 @@ def input_names(model):
         f"input_{i}" if _AUTO_INPUT_NAME.fullmatch(t.name) else t.name
         for i, t in enumerate(model.inputs)
     ]
+
+
+@contextlib.contextmanager
+def unlocked(layer):
+    """Lets `layer` take new sublayers and variables after it was built
+    (Keras locks a layer's tracker at the end of `build`)."""
+    tracker = layer._tracker
+    was_locked = tracker.locked
+    tracker.unlock()
+    try:
+        yield layer
+    finally:
+        if was_locked:
+            tracker.lock()
+
+
+def attention_projections(layer):
+    """The query, key and value projections (EinsumDense) of a built
+    `keras.layers.MultiHeadAttention`, and its gate projection or None:
+    the layers whose input the attention layer receives."""
+    return (
+        layer._query_dense,
+        layer._key_dense,
+        layer._value_dense,
+        getattr(layer, "_gate_dense", None),
+    )
+
+
+def einsum_attention(
+    layer, query, key, value, attention_mask, training, quantize
+):
+    """`MultiHeadAttention._compute_attention`'s einsum path, with a hook on
+    each input of the two attention matmuls.
+
+    Keras takes `ops.dot_product_attention` (no hook) for 4-D inputs with
+    dropout 0 and no attention scores; this always computes
+    `einsum(dot, key, query * scale)`, the masked softmax and
+    `einsum(combine, probs, value)`, as Keras does otherwise.
+
+    Args:
+        layer: the `MultiHeadAttention` (or a subclass, e.g. keras-hub's
+            `CachedMultiHeadAttention`).
+        query, key, value: the projected tensors, `(B, T, N, H)`.
+        attention_mask: boolean mask `(B, T, S)` or None.
+        training: bool or None, for the attention dropout.
+        quantize: dict of callables by `"query"` (the scaled query),
+            `"key"`, `"probs"` (the softmax output, after dropout) and
+            `"value"`.
+
+    Returns:
+        `(attention_output, attention_scores)`.
+    """
+    from keras import ops
+
+    query = ops.multiply(
+        query, ops.cast(layer._inverse_sqrt_key_dim, query.dtype)
+    )
+    scores = ops.einsum(
+        layer._dot_product_equation,
+        quantize["key"](key),
+        quantize["query"](query),
+    )
+    scores = layer._masked_softmax(scores, attention_mask)
+    probs = scores
+    if layer._dropout > 0.0:
+        probs = layer._dropout_layer(scores, training=training)
+    output = ops.einsum(
+        layer._combine_equation,
+        quantize["probs"](probs),
+        quantize["value"](value),
+    )
+    return output, scores
+
+
+def causal_mask(layer, query, value):
+    """`MultiHeadAttention`'s causal mask for `query` and `value`."""
+    return layer._compute_causal_mask(query, value)
+
+
+def copy_mask(source, target):
+    """Gives tensor `target` the Keras mask of `source`, if it has one."""
+    from keras.src import backend
+
+    mask = backend.get_keras_mask(source)
+    if mask is not None:
+        backend.set_keras_mask(target, mask)
+
+
+def float_value(variable):
+    """A Keras variable's value in its own dtype, also inside an autocast
+    scope (a mixed-precision layer's call reads float16 otherwise)."""
+    from keras.src import backend
+
+    with backend.AutocastScope(None):
+        return variable.value
+
+
+def is_plain_graph_model(model):
+    """True for a `keras.Sequential` or a model built by
+    `keras.Model(inputs, outputs)`, not a subclass of either (keras-hub
+    backbones are Functional subclasses with their own config)."""
+    return type(model) in (keras.Sequential, Functional)

@@ -47,12 +47,13 @@ def check_graph_model(model, caller, alternative):
         )
 
 
-def walk_layers(root, include_models=False, stop_at=()):
+def walk_layers(root, include_models=False, stop_at=(), with_parents=False):
     """Every layer inside `root`, at any depth, each once, in tracking order.
 
     Walks Keras' layer tracker: the layers of nested models, the inner layer
     of a `keras.layers.Wrapper`, and the sublayers that custom layers keep
-    as attributes.
+    as attributes. The order is the same for two models built by the same
+    code (quantization records layers by their position in it).
 
     Args:
         root: a `keras.Model` or layer (not itself yielded).
@@ -60,23 +61,26 @@ def walk_layers(root, include_models=False, stop_at=()):
             layers). Defaults to False.
         stop_at: tuple of layer classes yielded but not entered (e.g. a
             quantize wrapper, whose inner layer is not a layer of its own).
+        with_parents: bool. Yield `(layer, parents)` pairs, `parents` the
+            tuple of layers between `root` and `layer` (outermost first).
+            Defaults to False.
 
     Yields:
         `keras.layers.Layer`s, parents before children.
     """
     seen = {id(root)}
 
-    def visit(layer):
+    def visit(layer, parents):
         for child in _keras.sublayers(layer):
             if id(child) in seen:
                 continue
             seen.add(id(child))
             if not isinstance(child, keras.Model) or include_models:
-                yield child
+                yield (child, parents) if with_parents else child
             if not isinstance(child, stop_at):
-                yield from visit(child)
+                yield from visit(child, parents + (child,))
 
-    yield from visit(root)
+    yield from visit(root, ())
 
 
 def reset_compiled_functions(model):

@@ -62,6 +62,11 @@ class LayerRow:
         not_prunable: str. Why a type with weights cannot be pruned.
         permute: str. Its channel-permutation role, or "" for none.
         float32: bool. Mixed precision keeps it in float32.
+        separable: bool. Depthwise then pointwise convolution: the
+            pointwise input (the depthwise output) gets a Q/DQ of its own.
+        attention: bool. Multi-head attention: its query, key and value
+            projections take inputs quantized once per distinct tensor, and
+            both attention matmuls get Q/DQ on their inputs.
     """
 
     weights: tuple = ()
@@ -72,6 +77,8 @@ class LayerRow:
     not_prunable: str = ""
     permute: str = ""
     float32: bool = False
+    separable: bool = False
+    attention: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +124,7 @@ _SEPARABLE = LayerRow(
     quantizable=True,
     weighted=True,
     prune=Weight("pointwise_kernel", (-1,), -2, "pointwise_constraint"),
+    separable=True,
 )
 _TRANSPOSE = dataclasses.replace(
     _conv(out=(-2,), prune_axis=-1), permute=CONSUMER
@@ -125,6 +133,12 @@ _TRANSPOSE = dataclasses.replace(
 # next layer's Q/DQ across max pooling by itself: off by default (extra Q/DQ
 # only add latency), on with `QuantizeConfig(quantize_inputs=True)`.
 _POOL = LayerRow(quantizable=True, permute=CHANNELWISE)
+# Its weights live in its EinsumDense projections (rows of their own); the
+# row places the attention Q/DQ. `weighted`: its output comes from a GEMM
+# (the output projection), which TensorRT fuses with a residual Add.
+_ATTENTION = LayerRow(
+    inputs=ALL_INPUTS, quantizable=True, weighted=True, attention=True
+)
 _CHANNEL_WISE = LayerRow(permute=CHANNELWISE)
 _FLOAT32 = LayerRow(float32=True)
 
@@ -176,6 +190,7 @@ TABLE = {
     L.SeparableConv2D: _SEPARABLE,
     L.Dense: _conv(prune_axis=0),
     L.EinsumDense: _einsum_row,
+    L.MultiHeadAttention: _ATTENTION,
     L.Add: LayerRow(inputs=SKIP_INPUTS, quantizable=True),
     L.Concatenate: LayerRow(inputs=ALL_INPUTS, quantizable=True),
     L.MaxPooling2D: _POOL,

@@ -14,6 +14,7 @@ import pytest
 
 import keras_mp
 from keras_mp import layer_table
+from keras_mp.quantization import twins
 
 L = keras.layers
 
@@ -47,6 +48,13 @@ def _concat(shape):
     b = L.Conv2D(8, 1, name="b")(inputs)
     x = L.Concatenate(name="sample")([a, b])
     x = L.GlobalAveragePooling2D()(x)
+    return keras.Model(inputs, L.Dense(4, name="head")(x))
+
+
+def _attention(shape):
+    inputs = keras.Input(shape)
+    x = L.MultiHeadAttention(2, 4, name="sample")(inputs, inputs)
+    x = L.GlobalAveragePooling1D()(x)
     return keras.Model(inputs, L.Dense(4, name="head")(x))
 
 
@@ -109,6 +117,7 @@ SAMPLES = {
         ),
         (5, 16),
     ),
+    L.MultiHeadAttention: (_attention, (6, 8)),
     L.Add: (_residual, (6, 6, 8)),
     L.Concatenate: (_concat, (6, 6, 8)),
     **{
@@ -195,15 +204,8 @@ FLOAT32 = [c for c in CLASSES if ROWS[c].float32]
 CHANNELWISE = [c for c in CLASSES if ROWS[c].permute == layer_table.CHANNELWISE]
 
 
-_POINTWISE = (
-    "issue 16: the pointwise convolution of a separable convolution gets no "
-    "Q/DQ on its input, so TensorRT runs it in float"
-)
 # Known gaps, each a strict xfail: the marker fails once the gap is fixed.
-KNOWN_EXPORT_GAPS = {
-    L.SeparableConv1D: _POINTWISE,
-    L.SeparableConv2D: _POINTWISE,
-}
+KNOWN_EXPORT_GAPS = {}
 
 
 def _with_known_gaps(classes):
@@ -227,9 +229,12 @@ def test_quantizable_row_exports_lint_clean(cls, tmp_path):
     if row.inputs == layer_table.NO_INPUTS:  # pooling: on request only
         config = {"sample": keras_mp.QuantizeConfig(quantize_inputs=True)}
     qmodel = keras_mp.quantize_model(model, config=config)
-    assert isinstance(
-        qmodel.get_layer("quant_sample"), keras_mp.QuantizeWrapper
-    )
+    if row.attention:  # its weights are in sublayers: quantized in place
+        assert twins.is_quantized(qmodel.model.get_layer("sample"))
+    else:
+        assert isinstance(
+            qmodel.get_layer("quant_sample"), keras_mp.QuantizeWrapper
+        )
     keras_mp.calibrate(qmodel, x, verbose=0)
     path = str(tmp_path / "model.onnx")
     parity = keras_mp.export_onnx(qmodel, path, verify_data=x)

@@ -1,7 +1,8 @@
 """INT8 fake quantization the way TensorRT wants it.
 
 Annotate -> apply -> calibrate (PTQ) and/or `fit` (QAT) -> strip: the
-quantize layers, their configuration, the calibrators and the report.
+quantize layers, their configuration, the calibrators and the report; any
+Keras 3 model, layers at any depth (`inplace.py`).
 Guide: `docs/quantization.md`.
 """
 
@@ -19,5 +20,6 @@ from keras_mp.quantization.layers import (
     QuantizeWrapper,
     set_quantization_enabled,
 )
+from keras_mp.quantization.model import QuantizedModel
 from keras_mp.quantization.report import quantization_report
 from keras_mp.quantization.strip import strip_quantization

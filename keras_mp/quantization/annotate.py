@@ -1,28 +1,27 @@
 """Annotate -> apply: which layers get quantized, and where Q/DQ go.
 
 tfmot's flow for Keras 3 models, with TensorRT's Q/DQ placement rules
-(`docs/quantization.md`) built in.
+(`docs/quantization.md`) built in. Two mechanisms, one rule set: a
+Sequential or Functional model whose quantizable layers are all layers of
+its graph is copied graph-wise with each of them in a `QuantizeWrapper`;
+any other model (subclassed, keras-hub backbones, layers inside custom
+layers or `MultiHeadAttention`) is quantized in place (`inplace.py`).
 """
 
 import keras
 
 from keras_mp import _keras, _models, layer_table
 from keras_mp.layer_table import NO_INPUTS, SKIP_INPUTS
+from keras_mp.quantization import inplace
 from keras_mp.quantization.config import QuantizeConfig
 from keras_mp.quantization.layers import (
     QuantizeActivation,
     QuantizeWrapper,
     quantizable_row,
 )
+from keras_mp.quantization.model import QuantizedModel
+from keras_mp.quantization.twins import is_quantized
 from keras_mp.selection import layer_matcher
-
-# What a user with a subclassed model can do instead.
-_SUBCLASSED = (
-    "Its layers cannot be swapped automatically: wrap them in your model's "
-    "__init__ with `keras_mp.QuantizeWrapper(layer)` (and "
-    "`keras_mp.QuantizeActivation()` on residual inputs), or rebuild it as a "
-    "Functional or Sequential model."
-)
 
 
 @keras.saving.register_keras_serializable(package="keras_mp")
@@ -87,17 +86,7 @@ def quantize_annotate_layer(layer, config=None):
 
 
 def _config_for(layer, config):
-    if config is None or isinstance(config, QuantizeConfig):
-        return config
-    if isinstance(config, dict):
-        for key, value in config.items():
-            if layer_matcher(key)(layer):
-                return value
-        return None
-    raise TypeError(
-        "`config` must be a QuantizeConfig or a dict mapping layer names "
-        f"(or regexes) to QuantizeConfig. Received: {type(config).__name__}"
-    )
+    return inplace.config_for((layer,), config)
 
 
 def graph_layers(model):
@@ -112,14 +101,45 @@ def graph_layers(model):
 
 
 def _check_float_model(model, caller):
-    _models.check_graph_model(model, caller, _SUBCLASSED)
-    for layer in _models.walk_layers(model):
-        if isinstance(layer, (QuantizeWrapper, QuantizeActivation)):
+    _models.check_model(model, caller)
+    quantized = (QuantizeWrapper, QuantizeActivation, QuantizedModel)
+    for layer in [model, *_models.walk_layers(model, include_models=True)]:
+        if isinstance(layer, quantized) or is_quantized(layer):
             raise ValueError(
                 f"Model {model.name!r} is already quantized (layer "
                 f"{layer.name!r}). Call quantize_apply on the float model, "
                 "or strip it first with keras_mp.strip_quantization()."
             )
+    if not model.built:
+        raise ValueError(
+            f"Model {model.name!r} has never been called, so its layers "
+            f"have no weights yet for `{caller}`. Build it with "
+            "`keras.Input(...)` or call it once on a batch first."
+        )
+
+
+def _graph_path(model):
+    """Whether the graph copy reaches every quantizable layer of `model`:
+    it and its nested models are plain Sequential/Functional models, and
+    no layer of their graphs holds quantizable layers of its own."""
+    for layer in [model, *_models.walk_layers(model, include_models=True)]:
+        if isinstance(layer, keras.Model) and not _keras.is_plain_graph_model(
+            layer
+        ):
+            return False
+    for layer in graph_layers(model):
+        if isinstance(layer, keras.Model):
+            continue
+        inner = unwrap(layer)
+        row = layer_table.row_for(inner)
+        if row is not None and row.attention:
+            return False
+        if any(
+            quantizable_row(sub) is not None
+            for sub in _models.walk_layers(inner)
+        ):
+            return False
+    return True
 
 
 def _copy_layer(layer):
@@ -139,14 +159,17 @@ def quantize_annotate_model(model, layers=None, config=None):
 
     Returns:
         A copy of `model` (same weights) with the selected layers wrapped in
-        `QuantizeAnnotate`.
+        `QuantizeAnnotate`; for a model quantized in place (subclassed,
+        nested custom layers), a copy whose selected layers are marked.
 
     Raises:
-        TypeError: a subclassed, tf_keras or non-Keras model.
+        TypeError: a tf_keras or non-Keras model.
         ValueError: the selection names an unsupported layer, or matches
-            no quantizable layer.
+            no quantizable layer; a model that cannot be copied.
     """
     _check_float_model(model, "quantize_annotate_model")
+    if not _graph_path(model):
+        return inplace.annotate_in_place(model, layers, config)
     match = layer_matcher(layers)
     chosen = {}
     for layer in graph_layers(model):
@@ -215,7 +238,7 @@ def _is_fusable(layer):
     return row is not None and row.weighted
 
 
-def _skip_indices(layer):
+def skip_indices(layer):
     """Residual Add: Q/DQ on the inputs TensorRT cannot fuse, when at least
     one input comes from a weighted layer; none otherwise."""
     nodes = _keras.inbound_nodes(layer)
@@ -225,17 +248,27 @@ def _skip_indices(layer):
     fusable = [p is not None and _is_fusable(p) for p in producers]
     if not any(fusable):
         return []
-    fused = fusable.index(True)
+    # TensorRT fuses the Add into a GEMM whose output feeds the Add only;
+    # one that also feeds other layers (a transformer's residual stream)
+    # keeps its output, so its tensor is the skip input.
+    alone = [
+        i
+        for i, p in enumerate(producers)
+        if fusable[i] and len(_keras.outbound_nodes(p)) == 1
+    ]
+    fused = alone[0] if alone else fusable.index(True)
     return [i for i in range(len(producers)) if i != fused]
 
 
 def quantize_apply(model):
-    """Replaces every annotated layer with a `QuantizeWrapper`.
+    """Quantizes every annotated layer.
 
     Returns a new model; weights and all layer state (e.g. Normalization
     statistics) are carried over, and weight ranges are set from the
     weights. Activation ranges start at 0 (not calibrated): run
-    `keras_mp.calibrate` (PTQ) before `fit` (QAT) or export.
+    `keras_mp.calibrate` (PTQ) before `fit` (QAT) or export. In a graph
+    model each annotated layer becomes a `QuantizeWrapper`; any other model
+    is quantized in place and returned as a `keras_mp.QuantizedModel`.
 
     Args:
         model: a model from `quantize_annotate_model`, or one built with
@@ -245,10 +278,13 @@ def quantize_apply(model):
         The quantized `keras.Model`.
 
     Raises:
-        ValueError: nothing is annotated, or the model is already quantized.
-        TypeError: a subclassed, tf_keras or non-Keras model.
+        ValueError: nothing is annotated, the model is already quantized or
+            cannot be copied.
+        TypeError: a tf_keras or non-Keras model.
     """
     _check_float_model(model, "quantize_apply")
+    if not _graph_path(model):
+        return inplace.quantize_in_place(model, annotated=True)
     annotated = [
         layer
         for layer in graph_layers(model)
@@ -265,7 +301,7 @@ def quantize_apply(model):
         row = quantizable_row(layer.layer)
         overridden = layer.config and layer.config.quantize_inputs is not None
         if row.inputs == SKIP_INPUTS and not overridden:
-            indices[id(layer)] = _skip_indices(layer)
+            indices[id(layer)] = skip_indices(layer)
 
     def clone(layer):
         if isinstance(layer, QuantizeAnnotate):
@@ -284,18 +320,39 @@ def quantize_apply(model):
     return new
 
 
-def quantize_model(model, config=None, layers=None):
+def quantize_model(model, config=None, layers=None, in_place=False):
     """Annotates and applies in one call: the quantized copy of `model`.
 
+    Any Keras 3 model: Sequential, Functional, subclassed, and models built
+    from keras-hub backbones, with layers at any depth (inside custom
+    layers, inside `MultiHeadAttention`). A Sequential or Functional model
+    whose quantizable layers are all in its graph gets a `QuantizeWrapper`
+    per layer; any other is quantized in place and returned as a
+    `keras_mp.QuantizedModel`, which saves and loads as `.keras`.
+
     Args:
-        model: Sequential or Functional `keras.Model`.
+        model: a built `keras.Model`.
         config: `QuantizeConfig` or dict of them (see
-            `quantize_annotate_model`).
-        layers: selection (see `quantize_annotate_model`). Defaults to every
-            supported layer.
+            `quantize_annotate_model`; a key matching a custom layer or an
+            attention layer configures everything inside it).
+        layers: selection (see `quantize_annotate_model`; a custom layer's
+            name selects the layers inside it). Defaults to every supported
+            layer.
+        in_place: bool. Quantize the layers of `model` itself instead of a
+            copy rebuilt from its config; for a model that has no working
+            `get_config()` (it then saves with `save_weights` only).
+            Defaults to False.
 
     Returns:
-        A new quantized `keras.Model`, ready for `keras_mp.calibrate`.
+        A new quantized `keras.Model` (or `model`'s own layers, quantized,
+        in a `QuantizedModel`, with `in_place`), ready for
+        `keras_mp.calibrate`.
+
+    Raises:
+        ValueError: the model is already quantized, was never built, has
+            no quantizable layer in the selection, or cannot be rebuilt
+            from its config (the message says what to do).
+        TypeError: a tf_keras or non-Keras model.
 
     Example:
 
@@ -304,4 +361,8 @@ def quantize_model(model, config=None, layers=None):
     >>> qmodel.compile(...); qmodel.fit(...)  # optional QAT
     """
     _check_float_model(model, "quantize_model")
+    if in_place or not _graph_path(model):
+        return inplace.quantize_in_place(
+            model, layers, config, in_place=in_place
+        )
     return quantize_apply(quantize_annotate_model(model, layers, config))

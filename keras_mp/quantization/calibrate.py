@@ -198,7 +198,7 @@ def calibrate(
         q.amax.assign(amax)
         ranges[name] = amax
     for layer in iter_quantize_layers(model):
-        if isinstance(layer, QuantizeWrapper):
+        if not isinstance(layer, QuantizeActivation):
             layer.update_weight_ranges()
     _models.reset_compiled_functions(model)
     return CalibrationReport(
@@ -207,11 +207,19 @@ def calibrate(
 
 
 def _activation_quantizers(model):
+    """Every activation quantizer of `model` by name: `<wrapper>/input_<i>`,
+    `<layer path>/<name>` for a quantized twin (`input_0`, `input_query`,
+    `attention_probs`, ...), the layer name of a stand-alone one."""
     out = {}
     for layer in iter_quantize_layers(model):
         if isinstance(layer, QuantizeWrapper):
             for i, q in zip(layer.input_indices, layer.input_quantizers):
                 out[f"{layer.name}/input_{i}"] = q
+            for q in layer.inner_quantizers:
+                out[f"{layer.name}/{q.name}"] = q
         elif isinstance(layer, QuantizeActivation):
             out[layer.name] = layer
+        else:
+            for name, q in layer.named_quantizers().items():
+                out[f"{layer.quantize_path}/{name}"] = q
     return out

@@ -26,6 +26,12 @@ class QuantizeConfig:
             to None (the layer table's default).
         learned_range: bool. Train the activation ranges (PACT-style)
             instead of freezing them after calibration. Defaults to False.
+        attention: bool. For `keras.layers.MultiHeadAttention` layers (and
+            subclasses such as keras-hub's): Q/DQ on the inputs of both
+            attention matmuls (scaled query and key; softmax output and
+            value). False leaves those two matmuls in float, as ModelOpt
+            does for INT8 above sequence length 512; the projections stay
+            quantized. Defaults to True.
 
     Raises:
         ValueError: `num_bits` is not an integer in [2, 8].
@@ -41,6 +47,7 @@ class QuantizeConfig:
     per_channel: bool = True
     quantize_inputs: bool = None
     learned_range: bool = False
+    attention: bool = True
 
     def __post_init__(self):
         if not isinstance(self.num_bits, int) or not 2 <= self.num_bits <= 8:

@@ -18,6 +18,7 @@ from keras_mp.quantization.quantizers import (
     fake_quant,
     fake_quant_learned,
 )
+from keras_mp.quantization.separable import separable_conv
 
 
 @keras.saving.register_keras_serializable(package="keras_mp")
@@ -49,6 +50,7 @@ class QuantizeActivation(keras.layers.Layer):
         self.learned_range = learned_range
         self.enabled = True
         self.collector = None  # set by keras_mp.calibrate
+        self.supports_masking = True  # a Q/DQ keeps its input's mask
 
     def build(self, input_shape):
         self.amax = self.add_weight(
@@ -152,6 +154,15 @@ def _num_channels(shape, out_axes):
     return (math.prod(int(shape[a]) for a in out_axes),)
 
 
+def weight_amax(kernel, out_axes):
+    """`max|w|` of `kernel` per output channel (over `out_axes`, merged), or
+    over the whole tensor when `out_axes` is `()` (float32)."""
+    view, axis, _ = _channel_view(kernel, out_axes)
+    if axis is None:
+        return tf.reduce_max(tf.abs(tf.cast(view, tf.float32)))
+    return channel_amax(view, axis)
+
+
 @keras.saving.register_keras_serializable(package="keras_mp")
 class QuantizeWrapper(keras.layers.Wrapper):
     """Fake-quantizes a layer's inputs and weights the way TensorRT wants.
@@ -171,6 +182,9 @@ class QuantizeWrapper(keras.layers.Wrapper):
         input_indices: list of int. Which inputs get a Q/DQ; defaults to the
             table row (all inputs of weighted layers and Concatenate, none for
             pooling). `quantize_apply` resolves the residual-Add rule here.
+        pointwise_input: bool or None. For a separable convolution, a Q/DQ
+            on the pointwise input (the depthwise output); None follows the
+            table row. Files saved before it existed load without it.
         **kwargs: Base layer arguments.
 
     Raises:
@@ -181,7 +195,14 @@ class QuantizeWrapper(keras.layers.Wrapper):
     >>> layer = keras_mp.QuantizeWrapper(keras.layers.Dense(10))
     """
 
-    def __init__(self, layer, config=None, input_indices=None, **kwargs):
+    def __init__(
+        self,
+        layer,
+        config=None,
+        input_indices=None,
+        pointwise_input=None,
+        **kwargs,
+    ):
         row = quantizable_row(layer)
         if row is None:
             supported = ", ".join(layer_table.quantizable_names())
@@ -189,6 +210,13 @@ class QuantizeWrapper(keras.layers.Wrapper):
                 f"Layer {layer.name!r} of type {type(layer).__name__} cannot "
                 f"be quantized. Supported types: {supported}. Leave it out "
                 "of the selection or give it `QuantizeConfig(skip=True)`."
+            )
+        if row.attention:
+            raise ValueError(
+                f"Layer {layer.name!r} of type {type(layer).__name__} keeps "
+                "its weights in sublayers, which a wrapper cannot reach. "
+                "Quantize the model that holds it with "
+                "keras_mp.quantize_model(model), which quantizes it in place."
             )
         kwargs.setdefault("dtype", layer.dtype_policy)
         kwargs.setdefault("name", f"quant_{layer.name}")
@@ -198,7 +226,11 @@ class QuantizeWrapper(keras.layers.Wrapper):
         self.config = config or QuantizeConfig()
         self.row = row
         self.input_indices = input_indices
+        self.pointwise_input = (
+            row.separable if pointwise_input is None else bool(pointwise_input)
+        )
         self.input_quantizers = []
+        self.inner_quantizers = []
         self._weights_enabled = True
 
     def _resolve_indices(self, input_shape):
@@ -223,9 +255,18 @@ class QuantizeWrapper(keras.layers.Wrapper):
             )
             for i in self.input_indices
         ]
+        if self.pointwise_input:
+            self.inner_quantizers = [
+                QuantizeActivation(
+                    num_bits=self.config.num_bits,
+                    learned_range=self.config.learned_range,
+                    name="pointwise_input",
+                    dtype="float32",
+                )
+            ]
         if not self.layer.built:
             self.layer.build(input_shape)
-        for q in self.input_quantizers:
+        for q in self.input_quantizers + self.inner_quantizers:
             q.build(())
         self.weight_ranges = []
         for weight in self.row.weights:
@@ -248,10 +289,7 @@ class QuantizeWrapper(keras.layers.Wrapper):
             amax.assign(self._weight_amax(getattr(self.layer, attr), axes))
 
     def _weight_amax(self, kernel, axes):
-        view, axis, _ = _channel_view(kernel, axes)
-        if axis is None:
-            return tf.reduce_max(tf.abs(tf.cast(view, tf.float32)))
-        return channel_amax(view, axis)
+        return weight_amax(kernel, axes)
 
     @property
     def enabled(self):
@@ -259,7 +297,7 @@ class QuantizeWrapper(keras.layers.Wrapper):
 
     @enabled.setter
     def enabled(self, value):
-        for q in self.input_quantizers:
+        for q in self.input_quantizers + self.inner_quantizers:
             q.enabled = value
         self._weights_enabled = value
 
@@ -290,13 +328,22 @@ class QuantizeWrapper(keras.layers.Wrapper):
                 values[i] = q(values[i], training=training)
             inputs = values if many else values[0]
         calibrating = any(
-            q.collector is not None for q in self.input_quantizers
+            q.collector is not None
+            for q in self.input_quantizers + self.inner_quantizers
         )
         if not self.weight_ranges or not self._weights_enabled or calibrating:
-            return self.layer(inputs)
+            return self._layer_call(inputs, training)
         mapping = self._quantized_weights(training)
         with keras.StatelessScope(state_mapping=mapping):
-            return self.layer(inputs)
+            return self._layer_call(inputs, training)
+
+    def _layer_call(self, inputs, training):
+        if not self.inner_quantizers or not self._weights_enabled:
+            return self.layer(inputs)  # turned off: the float layer exactly
+        (q,) = self.inner_quantizers
+        return separable_conv(
+            self.layer, inputs, lambda x: q(x, training=training)
+        )
 
     def compute_output_shape(self, input_shape):
         return self.layer.compute_output_shape(input_shape)
@@ -306,16 +353,29 @@ class QuantizeWrapper(keras.layers.Wrapper):
         config.update(
             config=self.config.get_config(),
             input_indices=self.input_indices,
+            pointwise_input=self.pointwise_input,
         )
         return config
 
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        # Saved before the pointwise Q/DQ existed: its weights lack it.
+        config = {"pointwise_input": False, **config}
+        return super().from_config(config, custom_objects)
+
 
 def iter_quantize_layers(model):
-    """Yields every QuantizeWrapper / QuantizeActivation in `model`, at any
-    depth (the activation quantizers inside wrappers are not repeated)."""
+    """Yields every QuantizeWrapper, stand-alone QuantizeActivation and
+    quantized twin (`twins.py`) in `model`, at any depth; the activation
+    quantizers inside wrappers and twins are not repeated."""
+    from keras_mp.quantization import twins  # imports this module
+
+    owned = twins.owned_quantizers(model)
     stop = (QuantizeWrapper, QuantizeActivation)
     for layer in _models.walk_layers(model, stop_at=stop):
-        if isinstance(layer, stop):
+        if twins.is_quantized(layer) or (
+            isinstance(layer, stop) and id(layer) not in owned
+        ):
             yield layer
 
 

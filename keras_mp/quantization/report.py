@@ -3,8 +3,9 @@
 import keras
 import numpy as np
 
-from keras_mp import _models
+from keras_mp import _keras, _models, layer_table
 from keras_mp.layer_table import NO_INPUTS
+from keras_mp.quantization import twins
 from keras_mp.quantization.layers import (
     QuantizeActivation,
     QuantizeWrapper,
@@ -12,13 +13,24 @@ from keras_mp.quantization.layers import (
 )
 
 
-def _wrapper_row(layer):
-    amaxes = [float(q.amax.numpy()) for q in layer.input_quantizers]
-    uncalibrated = any(a == 0 for a in amaxes)
+def _quantized_row(layer):
+    """A QuantizeWrapper's or a quantized twin's row."""
+    if isinstance(layer, QuantizeWrapper):
+        kind = type(layer.layer).__name__
+        named = dict(zip(layer.input_indices, layer.input_quantizers))
+        named.update((q.name, q) for q in layer.inner_quantizers)
+    else:
+        kind = type(layer).float_class.__name__
+        named = {
+            int(k[6:]) if k[6:].isdigit() else k: q
+            for k, q in layer.named_quantizers().items()
+        }
+    amaxes = {k: float(q.amax.numpy()) for k, q in named.items()}
+    uncalibrated = any(a == 0 for a in amaxes.values())
     return {
-        "type": type(layer.layer).__name__,
+        "type": kind,
         "quantized": True,
-        "inputs": dict(zip(layer.input_indices, amaxes)),
+        "inputs": amaxes,
         "weights": {
             attr: (float(np.min(v.numpy())), float(np.max(v.numpy())))
             for attr, _, v in layer.weight_ranges
@@ -30,7 +42,15 @@ def _wrapper_row(layer):
 
 
 def _float_note(layer):
+    known = layer_table.row_for(layer) is not None
     row = quantizable_row(layer)
+    if not known and _keras.sublayers(layer):
+        return "holds layers: they are listed on their own rows"
+    if not known and _keras.own_variables(layer):
+        return (
+            "not a quantizable type (not in the layer table), with weights "
+            "of its own: runs in float"
+        )
     if row is None:
         return "not a quantizable type: runs in float"
     if not row.weights and row.inputs == NO_INPUTS:
@@ -42,14 +62,16 @@ def quantization_report(model, verbose=True):
     """Per layer: what is quantized, with which ranges, what is skipped, why.
 
     Args:
-        model: a `keras.Model`, quantized or not; nested models are listed
-            layer by layer.
+        model: a `keras.Model`, quantized or not; nested models and the
+            layers inside custom layers are listed layer by layer.
         verbose: bool. Print the table. Defaults to True.
 
     Returns:
-        A list of dicts: `layer`, `type`, `quantized` (bool), `inputs`
-        (activation ranges by input index), `weights` (per-channel range
-        min/max by weight), `note`.
+        A list of dicts: `layer` (its name), `path` (the names from the
+        model down to it), `type`, `quantized` (bool), `inputs` (activation
+        ranges by input index, or by name: `pointwise_input`,
+        `input_query`, `attention_probs`, ...), `weights` (per-channel
+        range min/max by weight), `note`.
 
     Raises:
         TypeError: `model` is not a Keras 3 model.
@@ -62,12 +84,16 @@ def quantization_report(model, verbose=True):
     _models.check_model(model, "quantization_report")
     rows = []
     stop = (QuantizeWrapper, QuantizeActivation)
-    for layer in _models.walk_layers(model, stop_at=stop):
-        if isinstance(layer, keras.layers.InputLayer):
+    owned = twins.owned_quantizers(model)
+    for layer, parents in _models.walk_layers(
+        model, stop_at=stop, with_parents=True
+    ):
+        if isinstance(layer, keras.layers.InputLayer) or id(layer) in owned:
             continue
-        row = {"layer": layer.name, "type": type(layer).__name__}
-        if isinstance(layer, QuantizeWrapper):
-            row.update(_wrapper_row(layer))
+        path = "/".join(p.name for p in parents + (layer,))
+        row = {"layer": layer.name, "path": path, "type": type(layer).__name__}
+        if isinstance(layer, QuantizeWrapper) or twins.is_quantized(layer):
+            row.update(_quantized_row(layer))
         elif isinstance(layer, QuantizeActivation):
             row.update(quantized=True, inputs={0: float(layer.amax.numpy())})
             row.update(weights={}, note="stand-alone Q/DQ")
@@ -83,6 +109,6 @@ def quantization_report(model, verbose=True):
                 for k, (lo, hi) in r["weights"].items()
             )
             flag = "Q" if r["quantized"] else "-"
-            name, kind = r["layer"], r["type"]
+            name, kind = r["path"], r["type"]
             print(f"{flag} {name:<24} {kind:<22} {ins} {ws} {r['note']}")
     return rows

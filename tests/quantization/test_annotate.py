@@ -85,6 +85,11 @@ def test_annotate_layer_then_apply():
     assert wrapped == ["quant_fc"]
 
 
+def _built(model):
+    model(np.zeros((1, 3), "float32"))
+    return model
+
+
 def _flat_model():
     return keras.Sequential(
         [keras.Input((4, 4)), L.Flatten(name="flat"), L.Dense(2)]
@@ -106,13 +111,14 @@ def _flat_model():
         ),
         (
             lambda: keras_mp.quantize_model(Subclassed()),
-            TypeError,
-            r"subclassed.*keras_mp.QuantizeWrapper\(layer\)",
+            ValueError,
+            r"'subclassed' has never been called.*call it once on a batch",
         ),
         (
-            lambda: keras_mp.quantize_annotate_model(Subclassed()),
-            TypeError,
-            "subclassed.*rebuild it as a Functional or Sequential model",
+            lambda: keras_mp.quantize_annotate_model(_built(Subclassed())),
+            ValueError,
+            r"rebuilt from its config.*TypeError.*get_config\(\).*"
+            r"in_place=True",
         ),
         (
             lambda: keras_mp.quantize_model(
@@ -161,8 +167,8 @@ def _flat_model():
     ids=[
         "path_instead_of_model",
         "tf_keras_model",
-        "subclassed_model",
-        "annotate_subclassed_model",
+        "unbuilt_subclassed_model",
+        "annotate_subclassed_model_without_config",
         "nothing_quantizable",
         "selection_matches_nothing",
         "selection_wrong_type",

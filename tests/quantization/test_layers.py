@@ -153,3 +153,34 @@ def test_activation_rejects_zero_bits():
 def test_set_quantization_enabled_needs_a_model():
     with pytest.raises(TypeError, match="keras.Model"):
         keras_mp.set_quantization_enabled("model.keras", False)
+
+
+def test_separable_conv_quantizes_the_pointwise_input():
+    model = keras.Sequential([keras.Input((8, 8, 4)), L.SeparableConv2D(8, 3)])
+    qmodel = keras_mp.quantize_model(model)
+    report = keras_mp.calibrate(qmodel, images(8), verbose=0)
+    wrapper = qmodel.layers[0]
+    assert f"{wrapper.name}/pointwise_input" in report.ranges
+    assert wrapper.inner_quantizers[0].amax.numpy() > 0
+    config = keras.saving.serialize_keras_object(wrapper)
+    assert config["config"]["pointwise_input"] is True
+    # a wrapper saved before the pointwise Q/DQ existed loads without it
+    del config["config"]["pointwise_input"]
+    old = keras.saving.deserialize_keras_object(config)
+    assert not old.pointwise_input
+
+
+def test_grouped_conv_quantizes_per_output_channel():
+    model = keras.Sequential(
+        [keras.Input((8, 8, 4)), L.Conv2D(8, 3, groups=2), L.Flatten()]
+    )
+    qmodel = keras_mp.quantize_model(model)
+    x = images(16)
+    keras_mp.calibrate(qmodel, x, verbose=0)
+    ((_, axes, amax),) = qmodel.layers[0].weight_ranges
+    kernel = qmodel.layers[0].layer.kernel.numpy()  # (3, 3, 4 / 2, 8)
+    assert axes == (-1,) and amax.shape == (8,)
+    np.testing.assert_allclose(amax.numpy(), np.abs(kernel).max((0, 1, 2)))
+    qmodel.compile(keras.optimizers.SGD(1e-2), "mse", jit_compile=True)
+    history = qmodel.fit(x, np.zeros((16, 288)), epochs=2, verbose=0)
+    assert np.isfinite(history.history["loss"]).all()

@@ -1,0 +1,247 @@
+"""Quantized twins: layers quantized in place, at any depth.
+
+A layer inside a custom layer, a subclassed model, a keras-hub backbone or a
+`MultiHeadAttention` has no place in a layer graph that a wrapper could
+take. It is quantized where it is instead: its class becomes its quantized
+twin, a subclass of its own class (`recipe.twin_class`) that owns the
+fake-quantizers and overrides `call`; the layer keeps its name, its
+variables and every reference to it. The twin classes are never saved:
+`QuantizedModel` saves the float model's config and the recipe, and applies
+the recipe again on load (`recipe.py`). The attention twin is in
+`attention.py`. Guide: `docs/quantization.md`.
+"""
+
+import contextlib
+import functools
+import inspect
+
+import keras
+
+from keras_mp import _keras, _models
+from keras_mp.quantization.config import QuantizeConfig
+from keras_mp.quantization.layers import (
+    _channel_view,
+    _num_channels,
+    weight_amax,
+)
+from keras_mp.quantization.quantizers import fake_quant
+from keras_mp.quantization.separable import separable_conv
+
+
+@keras.saving.register_keras_serializable(package="keras_mp")
+class WeightQuantizer(keras.layers.Layer):
+    """Fake-quantizes one weight of the layer that owns it.
+
+    Symmetric, narrow range [-127, 127], per output channel (the product of
+    `out_axes`) or per tensor. The range `amax` (a float32 variable) is the
+    weight's `max|w|`, recomputed at each training step and stored, so an
+    export reads constants.
+
+    Args:
+        out_axes: tuple of int. The weight's output-channel axes; `()` for
+            one range per tensor. Defaults to `()`.
+        num_bits: int. Defaults to 8.
+        **kwargs: Base layer arguments (`name`).
+
+    Example:
+
+    >>> quantizer = WeightQuantizer(out_axes=(-1,), name="kernel_q")
+    >>> quantizer.build(dense.kernel.shape)
+    >>> fake_quantized = quantizer(dense.kernel)
+    """
+
+    def __init__(self, out_axes=(), num_bits=8, **kwargs):
+        kwargs.setdefault("dtype", "float32")
+        super().__init__(**kwargs)
+        QuantizeConfig(num_bits=num_bits)  # validates num_bits
+        self.out_axes = tuple(int(a) for a in out_axes)
+        self.num_bits = num_bits
+
+    def build(self, kernel_shape):
+        self.amax = self.add_weight(
+            name="amax",
+            shape=_num_channels(kernel_shape, self.out_axes),
+            initializer="zeros",
+            dtype="float32",
+            trainable=False,
+            aggregation="only_first_replica",
+        )
+
+    def update(self, kernel):
+        """Sets the range to `kernel`'s `max|w|`."""
+        self.amax.assign(weight_amax(kernel, self.out_axes))
+
+    def call(self, kernel, training=None):
+        amax = self.amax
+        if training:
+            amax = weight_amax(kernel, self.out_axes)
+            self.amax.assign(amax)
+        view, axis, back = _channel_view(kernel, self.out_axes)
+        q = fake_quant(
+            view, amax, axis=axis, narrow_range=True, num_bits=self.num_bits
+        )
+        return back(q)
+
+    def compute_output_shape(self, input_shape):
+        return input_shape
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(out_axes=self.out_axes, num_bits=self.num_bits)
+        return config
+
+
+def _like(quantized, x):
+    """`quantized` in `x`'s dtype, with `x`'s Keras mask."""
+    if quantized.dtype != x.dtype:
+        quantized = keras.ops.cast(quantized, x.dtype)
+    _keras.copy_mask(x, quantized)
+    return quantized
+
+
+class QuantizedLayer:
+    """What every quantized twin adds to its float class.
+
+    State, set by `attach`: `quantize_config` (`QuantizeConfig`),
+    `input_indices` and `input_quantizers` (one `QuantizeActivation` per
+    quantized input), `weight_quantizers` (one `WeightQuantizer` per weight
+    of the layer's table row), `inner_quantizers` (the pointwise input of a
+    separable convolution) and `quantize_path` (the layer's path of names,
+    for reports).
+    """
+
+    float_class = None  # the class the twin derives from
+
+    @property
+    def enabled(self):
+        return self._quantize_enabled
+
+    @enabled.setter
+    def enabled(self, value):
+        for q in self.named_quantizers().values():
+            q.enabled = value
+        self._quantize_enabled = value
+
+    @property
+    def weight_ranges(self):
+        """`(attr, out_axes, amax)` per quantized weight, as
+        `QuantizeWrapper.weight_ranges`."""
+        return [
+            (attr, q.out_axes, q.amax)
+            for attr, q in zip(self.weight_attrs, self.weight_quantizers)
+        ]
+
+    def named_quantizers(self):
+        """The activation quantizers by name (`input_0`, ...)."""
+        named = {
+            f"input_{i}": q
+            for i, q in zip(self.input_indices, self.input_quantizers)
+        }
+        for q in self.inner_quantizers:
+            named["pointwise_input"] = q
+        return named
+
+    def update_weight_ranges(self):
+        """Sets each weight range to the weights' per-channel `max|w|`."""
+        for attr, q in zip(self.weight_attrs, self.weight_quantizers):
+            q.update(getattr(self, attr))
+
+    def _calibrating(self):
+        return any(
+            q.collector is not None for q in self.named_quantizers().values()
+        )
+
+    def _quantize_inputs(self, args, kwargs):
+        if not self.input_quantizers:
+            return args, kwargs
+        if args:
+            x, rest = args[0], args[1:]
+        else:
+            name = first_parameter(self.float_class)
+            x, rest = kwargs.pop(name), ()
+        many = isinstance(x, (list, tuple))
+        values = list(x) if many else [x]
+        for i, q in zip(self.input_indices, self.input_quantizers):
+            values[i] = _like(q(values[i]), values[i])
+        x = type(x)(values) if many else values[0]
+        return (x,) + tuple(rest), kwargs
+
+    def _weight_mapping(self):
+        """`(variable, fake-quantized value)` pairs for a StatelessScope."""
+        mapping = []
+        for attr, q in zip(self.weight_attrs, self.weight_quantizers):
+            variable = getattr(self, attr)
+            mapping.append((variable, q(_keras.float_value(variable))))
+        return mapping
+
+    def call(self, *args, **kwargs):
+        args, kwargs = self._quantize_inputs(args, kwargs)
+        pointwise = self.inner_quantizers[0] if self.inner_quantizers else None
+        if not self.enabled:  # turned off: the float layer exactly
+            pointwise = None
+        if (
+            not self.weight_quantizers
+            or not self.enabled
+            or self._calibrating()
+        ):
+            return self._float_call(args, kwargs, pointwise)
+        with keras.StatelessScope(state_mapping=self._weight_mapping()):
+            return self._float_call(args, kwargs, pointwise)
+
+    def _float_call(self, args, kwargs, pointwise):
+        if pointwise is None:
+            return super().call(*args, **kwargs)
+        return separable_conv(self, args[0], pointwise)
+
+
+def bind_call(cls, layer, args, kwargs):
+    """The arguments of `layer.call(*args, **kwargs)` by name, as `cls.call`
+    names them (`self` left out)."""
+    bound = _signature(cls).bind(layer, *args, **kwargs)
+    arguments = dict(bound.arguments)
+    arguments.pop(next(iter(arguments)))  # self
+    return arguments
+
+
+@functools.cache
+def _signature(cls):
+    return inspect.signature(cls.call)
+
+
+def first_parameter(cls):
+    return list(_signature(cls).parameters)[1]
+
+
+def is_quantized(layer):
+    """Whether `layer` is a quantized twin."""
+    return isinstance(layer, QuantizedLayer)
+
+
+def quantized_layers(model):
+    """The quantized twins inside `model`, at any depth."""
+    return [
+        layer for layer in _models.walk_layers(model) if is_quantized(layer)
+    ]
+
+
+def owned_quantizers(model):
+    """Ids of the quantizer layers that twins inside `model` own."""
+    owned = set()
+    for layer in quantized_layers(model):
+        owned.update(id(q) for q in layer.named_quantizers().values())
+        owned.update(id(q) for q in layer.weight_quantizers)
+    return owned
+
+
+@contextlib.contextmanager
+def float_classes(model):
+    """Within the block, every twin inside `model` has its float class back,
+    so Keras serializes the float model (its config holds no twin)."""
+    switched = [(layer, type(layer)) for layer in quantized_layers(model)]
+    for layer, twin in switched:
+        object.__setattr__(layer, "__class__", twin.float_class)
+    try:
+        yield
+    finally:
+        for layer, twin in switched:
+            object.__setattr__(layer, "__class__", twin)

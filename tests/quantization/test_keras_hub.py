@@ -1,0 +1,172 @@
+"""keras-hub backbones (built from a config, no download): every Dense,
+EinsumDense and Conv2D inside them quantized in place, calibrated on dict
+inputs, trained, saved and loaded, exported with Q/DQ on every matmul."""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_mp
+from keras_mp import _models
+from keras_mp.quantization import twins
+from tests.quantization.test_nested import _fused_attention_chains
+
+keras_hub = pytest.importorskip("keras_hub")
+
+L = keras.layers
+WEIGHTED = (L.Dense, L.EinsumDense, L.Conv2D)
+INPUTS = ("token_ids", "segment_ids", "padding_mask")
+
+
+def bert_classifier():
+    backbone = keras_hub.models.BertBackbone(
+        vocabulary_size=100,
+        num_layers=2,
+        num_heads=2,
+        hidden_dim=32,
+        intermediate_dim=64,
+        max_sequence_length=16,
+    )
+    inputs = {k: keras.Input((16,), dtype="int32", name=k) for k in INPUTS}
+    pooled = backbone(inputs)["pooled_output"]
+    return keras.Model(inputs, L.Dense(2, name="head")(pooled), name="bert")
+
+
+def vit():
+    return keras_hub.models.ViTBackbone(
+        image_shape=(32, 32, 3),
+        patch_size=8,
+        num_layers=2,
+        num_heads=2,
+        hidden_dim=32,
+        mlp_dim=64,
+    )
+
+
+def tokens(n=32, seed=0):
+    rng = np.random.default_rng(seed)
+    return {
+        "token_ids": rng.integers(1, 100, (n, 16)).astype("int32"),
+        "segment_ids": np.zeros((n, 16), "int32"),
+        "padding_mask": np.ones((n, 16), "int32"),
+    }
+
+
+def images(n=32, seed=0):
+    return np.random.default_rng(seed).random((n, 32, 32, 3), "float32")
+
+
+def _weighted_layers(model):
+    return [
+        layer
+        for layer in _models.walk_layers(model)
+        if isinstance(layer, WEIGHTED)
+    ]
+
+
+def _check(model, data, tmp_path):
+    qmodel = keras_mp.quantize_model(model)
+    weighted = _weighted_layers(qmodel)
+    assert weighted and all(twins.is_quantized(w) for w in weighted)
+    attention = [
+        layer
+        for layer in _models.walk_layers(qmodel)
+        if isinstance(layer, L.MultiHeadAttention)
+    ]
+    assert len(attention) == 2
+    assert all(a.input_names == ["query"] for a in attention)  # shared Q/DQ
+    report = keras_mp.calibrate(qmodel, data, verbose=0)
+    assert all(a > 0 for a in report.ranges.values())
+    want = keras.ops.convert_to_numpy(model(data))
+    got = keras.ops.convert_to_numpy(qmodel(data))
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 0.1
+    path = tmp_path / "q.keras"
+    qmodel.save(path)
+    loaded = keras.saving.load_model(path, safe_mode=True)
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(loaded(data)), got)
+    return qmodel
+
+
+def test_bert_classifier(tmp_path):
+    model, data = bert_classifier(), tokens()
+    qmodel = _check(model, data, tmp_path)
+    with pytest.raises(ValueError, match=r"missing: \['segment_ids'\]"):
+        keras_mp.calibrate(
+            qmodel, {k: data[k] for k in ("token_ids", "padding_mask")}
+        )
+
+
+@pytest.mark.slow  # tracing BERT's train step under XLA: ~15 s
+def test_bert_qat_under_xla():
+    data = tokens()
+    qmodel = keras_mp.quantize_model(bert_classifier())
+    keras_mp.calibrate(qmodel, data, verbose=0)
+    qmodel.compile(keras.optimizers.Adam(1e-3), "mse", jit_compile=True)
+    history = qmodel.fit(
+        data, np.ones((32, 2)), epochs=2, batch_size=16, verbose=0
+    )
+    assert history.history["loss"][-1] < history.history["loss"][0]
+
+
+def test_vit_backbone(tmp_path):
+    _check(vit(), images(), tmp_path)
+
+
+def _exported(make, tmp_path, verify):
+    model, data = (
+        (bert_classifier(), tokens())
+        if make == "bert"
+        else (
+            vit(),
+            images(),
+        )
+    )
+    qmodel = keras_mp.quantize_model(model)
+    keras_mp.calibrate(qmodel, data, verbose=0)
+    path = str(tmp_path / f"{make}.onnx")
+    keras_mp.export_onnx(qmodel, path, verify_data=data if verify else None)
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("make", ["bert", "vit"])
+def test_export_puts_every_matmul_behind_qdq(make, tmp_path):
+    path = _exported(make, tmp_path, verify=make == "bert")
+    lint = keras_mp.check_tensorrt(path)
+    assert lint.ok, lint.to_markdown()
+    assert lint.weighted_ops == lint.weighted_ops_quantized > 0
+    assert _fused_attention_chains(path) == [True, True]
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(
+    strict=True,
+    raises=keras_mp.ParityError,
+    reason="TF's QuantizeAndDequantizeV3 rounds w * (127 / amax), ONNX "
+    "QuantizeLinear w / (amax / 127): at a tie they pick different codes "
+    "(1 of 6,144 patch-conv weights of this random ViT), and the random "
+    "network amplifies that to 1e-2 relative L2 (trained nets: see "
+    "DESIGN.md)",
+)
+def test_random_vit_export_parity(tmp_path):
+    _exported("vit", tmp_path, verify=True)
+
+
+def test_cached_attention_gets_the_attention_qdq(tmp_path):
+    inputs = keras.Input((6, 8))
+    attention = keras_hub.layers.CachedMultiHeadAttention(2, 4, name="att")
+    model = keras.Model(inputs, attention(inputs, inputs))
+    qmodel = keras_mp.quantize_model(model)
+    layer = qmodel.model.get_layer("att")
+    assert twins.is_quantized(layer) and layer.input_names == ["query"]
+    assert len(layer.attention_quantizers) == 4
+    x = np.random.default_rng(0).standard_normal((16, 6, 8)).astype("float32")
+    report = keras_mp.calibrate(qmodel, x, verbose=0)
+    assert report.ranges["att/attention_probs"] > 0
+    got = keras.ops.convert_to_numpy(qmodel(x))
+    want = keras.ops.convert_to_numpy(model(x))
+    assert 0 < np.linalg.norm(got - want) / np.linalg.norm(want) < 0.05
+    path = tmp_path / "q.keras"
+    qmodel.save(path)
+    loaded = keras.saving.load_model(path, safe_mode=True)
+    np.testing.assert_array_equal(loaded(x), got)
