@@ -13,6 +13,31 @@ from keras_mp.onnx.graph import (
 )
 
 
+def _shapes(model_proto, index, op, inferred):
+    """`index.constants`, plus, for a Reshape whose target shape is computed
+    (a Concat of Shape slices that tf2onnx did not fold), the static shape
+    ONNX shape inference gives its output."""
+    if op.op_type != "Reshape" or op.input[1] in index.constants:
+        return index.constants
+    if not inferred:  # once per graph, only when needed
+        onnx = optional_import("onnx")
+        graph = onnx.shape_inference.infer_shapes(model_proto).graph
+        inferred.update(
+            (
+                info.name,
+                [
+                    d.dim_value if d.HasField("dim_value") else None
+                    for d in info.type.tensor_type.shape.dim
+                ],
+            )
+            for info in list(graph.value_info) + list(graph.output)
+        )
+    shape = inferred.get(op.output[0])
+    if not shape or None in shape:
+        return index.constants
+    return {**index.constants, op.input[1]: np.asarray(shape, np.int64)}
+
+
 def fold_weight_qdq(model_proto):
     """Folds each weight's Q/DQ and layout ops into INT8 initializers.
 
@@ -32,6 +57,7 @@ def fold_weight_qdq(model_proto):
 
     graph = model_proto.graph
     index = GraphIndex(model_proto)
+    inferred = {}
     for node in index.weighted:
         if len(node.input) < 2:
             continue
@@ -45,8 +71,13 @@ def fold_weight_qdq(model_proto):
         ):
             continue
         values = _dequantize(codes, scale, dq_axis)
-        for op in reversed(source.layout):
-            values = apply_layout(op, values, index.constants)
+        try:
+            for op in reversed(source.layout):
+                values = apply_layout(
+                    op, values, _shapes(model_proto, index, op, inferred)
+                )
+        except ValueError:  # a shape that is neither constant nor static
+            continue
         weight_axis = output_channel_axis(node, 1, values.ndim) % values.ndim
         if scale.size > 1:
             if values.shape[weight_axis] != scale.size:

@@ -192,10 +192,15 @@ def apply_layout(op, values, constants):
         op: the ONNX node.
         values: NumPy array. Its data input.
         constants: dict of constant tensors by name (shapes, axes).
+
+    Raises:
+        ValueError: a Reshape whose target shape is not a constant.
     """
     if op.op_type == "Transpose":
         return np.transpose(values, attr(op, "perm", None))
     if op.op_type == "Reshape":
+        if op.input[1] not in constants:
+            raise ValueError(f"Reshape '{op.name}' has a computed shape")
         shape = [int(s) for s in constants[op.input[1]]]
         shape = [values.shape[i] if s == 0 else s for i, s in enumerate(shape)]
         return values.reshape(shape)
