@@ -21,6 +21,7 @@ SECTIONS = [
     ("sparsity", "2:4 structured sparsity"),
     ("muppet", "MuPPET"),
     ("zoo", "Model zoo (issue 15)"),
+    ("trained_parity", "INT8 parity on trained networks (issue 15)"),
 ]
 
 
