@@ -68,6 +68,7 @@ def test_ptq_calibrate_export(tmp_path, monkeypatch, capsys):
     assert keras_mp.trtexec_command(onnx_path, lint) in out
 
 
+@pytest.mark.slow  # run by .ci/run after `make test` (10-minute budget)
 def test_sparsity_qat(tmp_path, monkeypatch, capsys):
     run_example("sparsity_qat", tmp_path, monkeypatch)
     out = capsys.readouterr().out
@@ -93,6 +94,7 @@ def test_muppet(tmp_path, monkeypatch, capsys):
     assert (tmp_path / "precision.png").stat().st_size > 1000
 
 
+@pytest.mark.slow  # run by .ci/run after `make test` (10-minute budget)
 def test_recommender(tmp_path, monkeypatch, capsys):
     example = run_example("recommender", tmp_path, monkeypatch)
     out = capsys.readouterr().out
