@@ -8,6 +8,8 @@ quantized twins (`twins.py`) by a recipe (`recipe.py`), and the result is
 a `QuantizedModel` (`model.py`) that saves that recipe.
 """
 
+import warnings
+
 import keras
 
 from keras_mp import layer_table
@@ -176,4 +178,21 @@ def quantize_in_place(
     if not recipe.entries:
         raise _nothing_to_quantize(model, layers)
     apply_recipe(target, recipe)
-    return QuantizedModel(target, recipe, name=model.name)
+    qmodel = QuantizedModel(target, recipe, name=model.name)
+    if in_place:
+        _warn_if_unsaveable(qmodel)
+    return qmodel
+
+
+def _warn_if_unsaveable(qmodel):
+    """Says now, rather than at the end of training, that a model quantized
+    in place cannot be saved as `.keras` (the copy path has already rebuilt
+    it from its config)."""
+    try:
+        qmodel.get_config()
+    except ValueError as e:
+        warnings.warn(
+            f"{e} Until then, `save_weights` is the way to keep its weights "
+            "and quantizer ranges.",
+            stacklevel=4,
+        )

@@ -11,9 +11,11 @@ rebuilt from its config fails at save time, never silently on load.
 
 import copy
 import json
+import os
 
 import keras
 
+from keras_mp import io
 from keras_mp.quantization import twins
 from keras_mp.quantization.recipe import Recipe, apply_recipe
 
@@ -101,11 +103,28 @@ class QuantizedModel(keras.Model):
         self._check_rebuild(config)
         return config
 
-    def save(self, filepath, *args, **kwargs):
-        """`keras.Model.save`, with the config checked before Keras opens
-        the file (a config that fails would leave an empty file)."""
+    def save(self, filepath, overwrite=True, **kwargs):
+        """`keras.Model.save`, with the config checked before any file is
+        opened, and a local `.keras` file written to a temporary file that
+        is renamed over `filepath` once complete.
+
+        (`keras.saving.save_model(qmodel, path)` checks the config too, but
+        Keras opens `path` before asking for it: on that error `path` is
+        left empty. `qmodel.save(path)` leaves any previous file intact.)
+        """
         self.get_config()
-        return super().save(filepath, *args, **kwargs)
+        path = (
+            os.fspath(filepath)
+            if isinstance(filepath, os.PathLike)
+            else filepath
+        )
+        local = isinstance(path, str) and "://" not in path
+        if not (local and path.endswith(".keras")) or (
+            not overwrite and os.path.exists(path)
+        ):
+            return super().save(filepath, overwrite=overwrite, **kwargs)
+        with io.atomic_path(path) as tmp:
+            super().save(tmp, **kwargs)
 
     def _check_rebuild(self, config):
         """Rebuilds the float model from `config` and applies the recipe,

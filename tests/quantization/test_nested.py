@@ -1,6 +1,8 @@
 """Quantization in place: layers inside custom layers, subclassed models,
 keras-hub backbones and MultiHeadAttention, with `.keras` round trips."""
 
+import os
+
 import keras
 import numpy as np
 import pytest
@@ -171,13 +173,19 @@ def test_model_without_config_quantizes_in_place_and_fails_at_save(
     model(x)
     with pytest.raises(ValueError, match="rebuilt from its config.*in_place"):
         keras_mp.quantize_model(model)
-    qmodel = keras_mp.quantize_model(model, in_place=True)
+    with pytest.warns(UserWarning, match="cannot be saved with its config"):
+        qmodel = keras_mp.quantize_model(model, in_place=True)
     assert qmodel.model is model and twins.is_quantized(model.fc)
     keras_mp.calibrate(qmodel, x, verbose=0)
     path = tmp_path / "q.keras"
     with pytest.raises(ValueError, match="cannot be saved with its config.*"):
         qmodel.save(path)
     assert not path.exists()
+    path.write_bytes(b"previous")  # an earlier file stays as it was
+    with pytest.raises(ValueError, match="cannot be saved with its config.*"):
+        qmodel.save(path)
+    assert path.read_bytes() == b"previous"
+    assert os.listdir(tmp_path) == ["q.keras"]
     qmodel.save_weights(tmp_path / "w.weights.h5")  # the way that works
 
 
