@@ -150,3 +150,13 @@ def test_dict_of_integer_and_float_inputs(tmp_path):
         keras_mp.compare_onnx(model, path, bad)
     with pytest.raises(ValueError, match="missing: \\['features'\\]"):
         keras_mp.compare_onnx(model, path, {"token_ids": data["token_ids"]})
+
+
+def test_one_step_flip_is_not_a_divergence_at_one_step():
+    from keras_mp.onnx.compare import _diverged
+
+    # a rounding flip measured in float32 steps: 1.0000008, not 1.0
+    assert not _diverged(1e-5, 1.0000008, 1.0, 1e-3)
+    assert _diverged(1e-5, 2.0, 1.0, 1e-3)
+    assert _diverged(2e-3, None, 1.0, 1e-3)
+    assert not _diverged(1e-5, None, 1.0, 1e-3)
