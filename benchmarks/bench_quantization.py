@@ -428,11 +428,11 @@ def interleaved_finetune(control, qat, xf, yf, args, steps):
 
 
 def _activation_ranges(model):
-    from keras_mp.quantization.calibrate import _activation_quantizers
+    from keras_mp.quantization import activation_quantizers
 
     return {
         k: float(q.amax.numpy())
-        for k, q in _activation_quantizers(model).items()
+        for k, q in activation_quantizers(model).items()
     }
 
 

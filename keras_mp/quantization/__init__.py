@@ -13,7 +13,7 @@ from keras_mp.quantization.annotate import (
     quantize_apply,
     quantize_model,
 )
-from keras_mp.quantization.calibrate import calibrate
+from keras_mp.quantization.calibrate import activation_quantizers, calibrate
 from keras_mp.quantization.config import QuantizeConfig
 from keras_mp.quantization.layers import (
     QuantizeActivation,

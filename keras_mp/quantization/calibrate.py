@@ -148,7 +148,7 @@ def calibrate(
         raise ValueError(
             f"`percentile` must be in (0, 100]. Received: {percentile}"
         )
-    quantizers = _activation_quantizers(model)
+    quantizers = activation_quantizers(model)
     if not quantizers:
         raise ValueError(
             f"Model {model.name!r} has no activation quantizer to calibrate. "
@@ -206,10 +206,25 @@ def calibrate(
     )
 
 
-def _activation_quantizers(model):
-    """Every activation quantizer of `model` by name: `<wrapper>/input_<i>`,
-    `<layer path>/<name>` for a quantized twin (`input_0`, `input_query`,
-    `attention_probs`, ...), the layer name of a stand-alone one."""
+def activation_quantizers(model):
+    """Every activation quantizer of `model` by name (the ones `calibrate`
+    sets and its report lists).
+
+    Names: `<wrapper>/input_<i>` for a `QuantizeWrapper`, `<layer
+    path>/<name>` for a quantized twin (`input_0`, `input_query`,
+    `attention_probs`, ...), the layer name of a stand-alone
+    `QuantizeActivation`.
+
+    Args:
+        model: a quantized `keras.Model`.
+
+    Returns:
+        dict of name -> quantizer (its range is `quantizer.amax`).
+
+    Example:
+
+    >>> {k: float(q.amax) for k, q in activation_quantizers(qmodel).items()}
+    """
     out = {}
     for layer in iter_quantize_layers(model):
         if isinstance(layer, QuantizeWrapper):

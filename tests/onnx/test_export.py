@@ -9,7 +9,6 @@ import onnx
 import pytest
 
 import keras_mp
-from keras_mp.quantization.layers import iter_quantize_layers
 from keras_mp.reference import reference_cnn
 from tests.conftest import Subclassed, small_cnn, tf_keras_like
 
@@ -264,15 +263,7 @@ def _two_input_model():
 
 
 def _activation_quantizers(model):
-    return [
-        q
-        for w in iter_quantize_layers(model)
-        for q in (
-            w.input_quantizers
-            if isinstance(w, keras_mp.QuantizeWrapper)
-            else [w]
-        )
-    ]
+    return keras_mp.quantization.activation_quantizers(model).values()
 
 
 def test_multi_input_model_calibrates_exports_and_verifies(tmp_path):

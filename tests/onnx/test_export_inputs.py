@@ -14,7 +14,6 @@ import tensorflow as tf
 import keras_mp
 from benchmarks.bench_zoo import HUB
 from keras_mp import cli
-from keras_mp.quantization.layers import iter_quantize_layers
 from tests.quantization.test_keras_hub import bert_classifier
 
 SEQ, VOCAB, N = 6, 20, 32
@@ -76,15 +75,8 @@ def _text_data(rng):
 
 
 def _ranges(model):
-    return [
-        q.amax.numpy()
-        for w in iter_quantize_layers(model)
-        for q in (
-            w.input_quantizers
-            if isinstance(w, keras_mp.QuantizeWrapper)
-            else [w]
-        )
-    ]
+    quantizers = keras_mp.quantization.activation_quantizers(model)
+    return [q.amax.numpy() for q in quantizers.values()]
 
 
 def _graph_inputs(path):

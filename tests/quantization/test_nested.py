@@ -383,10 +383,7 @@ def test_qat_under_mirrored_strategy(mirrored_strategy):
     assert after == before  # calibrated ranges stay frozen in QAT
 
 
-def _quantizers(model):
-    from keras_mp.quantization.calibrate import _activation_quantizers
-
-    return _activation_quantizers(model)
+_quantizers = keras_mp.quantization.activation_quantizers
 
 
 class _Interrupt(keras.callbacks.Callback):
