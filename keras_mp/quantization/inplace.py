@@ -44,28 +44,38 @@ def copy_state(source, target):
         b.load_own_variables(store)
 
 
-def copy_model(model, caller):
-    """A float copy of `model`, rebuilt from its config, same weights."""
+def rebuild(model, config, caller, advice):
+    """`model` rebuilt from its float `config`, checked to be the same
+    model layer for layer, with `model`'s weights (quantizers left out).
+
+    `caller` names the function for the errors; `advice` says what else
+    to do when the model cannot be rebuilt."""
     try:
-        copy = keras.saving.deserialize_keras_object(
-            keras.saving.serialize_keras_object(model), safe_mode=False
-        )
+        fresh = keras.saving.deserialize_keras_object(config, safe_mode=False)
     except Exception as e:  # any layer's from_config can fail its own way
         raise ValueError(
-            f"`{caller}` quantizes a copy of model {model.name!r}, rebuilt "
-            f"from its config, and that failed ({type(e).__name__}: {e}). "
-            f"Give {type(model).__name__} a `get_config()` returning its "
+            f"`{caller}` needs model {model.name!r} rebuilt from its config, "
+            f"and that failed ({type(e).__name__}: {e}). Give "
+            f"{type(model).__name__} a `get_config()` returning its "
             "constructor arguments (and register it with "
-            "`keras.saving.register_keras_serializable()`), or quantize the "
-            "model object itself with `keras_mp.quantize_model(model, "
-            "in_place=True)` (it cannot be saved as .keras then; "
-            "`save_weights` works)."
+            f"`keras.saving.register_keras_serializable()`), or {advice}"
         ) from e
-    check_same_structure(
-        copy, [float_class_name(layer) for layer, _ in walk(model)], caller
+    layers = [float_class_name(layer) for layer, _ in walk(model)]
+    check_same_structure(fresh, layers, caller)
+    copy_state(model, fresh)
+    return fresh
+
+
+def copy_model(model, caller):
+    """A float copy of `model`, rebuilt from its config, same weights."""
+    return rebuild(
+        model,
+        keras.saving.serialize_keras_object(model),
+        caller,
+        "quantize the model object itself with "
+        "`keras_mp.quantize_model(model, in_place=True)` (it cannot be "
+        "saved as .keras then; `save_weights` works).",
     )
-    copy_state(model, copy)
-    return copy
 
 
 def config_for(chain, config):

@@ -1,39 +1,23 @@
 """`strip_quantization`: back from a quantized model to a float one."""
 
-import keras
-
 from keras_mp import _models
 from keras_mp.quantization.annotate import QuantizeAnnotate, clone_with_weights
-from keras_mp.quantization.inplace import copy_state
+from keras_mp.quantization.inplace import rebuild
 from keras_mp.quantization.layers import QuantizeWrapper
 from keras_mp.quantization.model import QuantizedModel
-from keras_mp.quantization.recipe import (
-    check_same_structure,
-    float_class_name,
-    walk,
-)
 
 
 def _strip_in_place(model):
     """The float model inside a `QuantizedModel`, rebuilt from its config,
     with the trained weights."""
     inner = model.model
-    try:
-        fresh = keras.saving.deserialize_keras_object(
-            model.float_config(), safe_mode=False
-        )
-    except Exception as e:  # any layer's from_config can fail its own way
-        raise ValueError(
-            f"strip_quantization rebuilds the float model {inner.name!r} "
-            f"from its config, and that failed ({type(e).__name__}: {e}). "
-            f"Give {type(inner).__name__} a `get_config()` returning its "
-            "constructor arguments, or build the float model yourself and "
-            "copy the trained weights layer by layer."
-        ) from e
-    layers = [float_class_name(layer) for layer, _ in walk(inner)]
-    check_same_structure(fresh, layers, "strip_quantization")
-    copy_state(inner, fresh)
-    return fresh
+    return rebuild(
+        inner,
+        model.float_config(),
+        "strip_quantization",
+        "build the float model yourself and copy the trained weights layer "
+        "by layer.",
+    )
 
 
 def strip_quantization(model):
