@@ -75,6 +75,33 @@ def _sparsity(row):
     return row.not_prunable or "-"
 
 
+ATTENTION_WEIGHTS = (
+    "its `query`, `key`, `value` and `output` EinsumDense sublayers, as "
+    "EinsumDense"
+)
+ATTENTION_INPUTS = (
+    "one shared Q/DQ per distinct query/key/value input, one on the output "
+    "projection's input, and on the scaled query, the key, the softmax "
+    "output and the value before the two attention matmuls "
+    "(`QuantizeConfig(attention=False)` leaves those two matmuls float)"
+)
+ATTENTION_RUN = (
+    "INT8 MatMul: the four projections and both attention matmuls "
+    "(TensorRT's fused attention pattern)"
+)
+SEPARABLE_INPUTS = "every input, and the pointwise convolution's input"
+
+
+def _inputs(name, spec):
+    if not spec.quantizable:
+        return "-"
+    if spec.attention:
+        return ATTENTION_INPUTS
+    if name.startswith("SeparableConv"):
+        return SEPARABLE_INPUTS
+    return INPUTS[spec.inputs]
+
+
 def _row(cls):
     spec = layer_table.TABLE[cls]
     name = cls.__name__
@@ -83,10 +110,11 @@ def _row(cls):
         rule = " ".join(spec.__doc__.split()).removeprefix(f"{name}: ")
         spec = spec(SAMPLES[cls]())
         weights_note = f" for `{EINSUM_EQUATION}`; in general: {rule}"
+    weights = ATTENTION_WEIGHTS if spec.attention else _weights(spec)
+    run = "INT8 Conv / MatMul" if spec.weighted else "-"
     return (
-        f"| {name} | {_weights(spec)}{weights_note} | "
-        f"{INPUTS[spec.inputs] if spec.quantizable else '-'} | "
-        f"{'INT8 Conv / MatMul' if spec.weighted else '-'} | "
+        f"| {name} | {weights}{weights_note} | {_inputs(name, spec)} | "
+        f"{ATTENTION_RUN if spec.attention else run} | "
         f"{_sparsity(spec)} | {PERMUTE[spec.permute]} | "
         f"{'float32' if spec.float32 else 'policy'} |"
     )
