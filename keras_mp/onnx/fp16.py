@@ -5,25 +5,17 @@ smallest normal number is raised to it first, with one warning naming the
 Keras quantizers and what their grids lose (`docs/export.md`, "Float16
 graphs for strongly typed TensorRT")."""
 
-import dataclasses
 import warnings
 
 import numpy as np
 
 from keras_mp._compat import optional_import
-from keras_mp.onnx.fold import _dequantize, _quantize
-from keras_mp.onnx.graph import GraphIndex, attr
+from keras_mp.onnx.subnormal import raise_subnormal_scales, raised_message
 
 # Float inputs that ONNX requires to stay float32 whatever the data type:
 # (op_type, input index).
 _KEEP_FLOAT32_INPUTS = {("Resize", 2), ("Upsample", 1)}
-# Smallest float16 normal number (2**-14). A smaller scale is subnormal in
-# float16: it keeps fewer significant bits, and flush-to-zero kernels read 0.
-_FP16_TINY = float(np.finfo(np.float16).tiny)
 _FP16_MAX = float(np.finfo(np.float16).max)
-# tf2onnx writes scale = amax / 127 for activations (full INT8 range) and
-# weights (narrow range) alike: 127 steps between 0 and amax.
-_STEPS = 127
 MIN_OPSET = 19
 
 
@@ -40,235 +32,6 @@ def convert_version(model_proto, opset):
     from onnx import version_converter
 
     return version_converter.convert_version(model_proto, opset)
-
-
-@dataclasses.dataclass
-class RaisedScale:
-    """A Q/DQ scale that `raise_subnormal_scales` raised.
-
-    Attributes:
-        tensor: str. The ONNX scale tensor, before.
-        nodes: list of str. The QuantizeLinear/DequantizeLinear nodes that
-            read it (they all read the raised copy now).
-        scale: float32 NumPy array. Its values before.
-        empty: bool NumPy array like `scale` for a weight's scale (True
-            where that channel's INT8 codes are all zero), None for an
-            activation's.
-    """
-
-    tensor: str
-    nodes: list
-    scale: np.ndarray
-    empty: np.ndarray = None
-
-
-def raise_subnormal_scales(model_proto):
-    """Raises every Q/DQ scale below float16's smallest normal to it.
-
-    Run on the float32 graph, in place. Every Q/DQ node that reads such a
-    scale reads the raised copy, so the QuantizeLinear and DequantizeLinear
-    of a pair keep one scale; a weight's INT8 codes are requantized to it
-    (`round(codes * old / new)`), so its DequantizeLinear still outputs the
-    weight. Channels at or above the smallest normal are left as they are.
-
-    Args:
-        model_proto: an `onnx.ModelProto`, edited in place.
-
-    Returns:
-        A list of `RaisedScale`, one per scale tensor raised.
-
-    Raises:
-        ValueError: a constant Q/DQ scale is zero, negative or not finite.
-    """
-    from onnx import numpy_helper
-
-    graph = model_proto.graph
-    index = GraphIndex(model_proto)
-    readers = {}
-    for node in index.qdq:
-        if len(node.input) > 1:
-            readers.setdefault(node.input[1], []).append(node)
-    taken = {init.name for init in graph.initializer} | {
-        name for node in graph.node for name in node.output
-    }
-
-    def add(base, array):
-        name, n = base, 0
-        while name in taken:
-            n += 1
-            name = f"{base}_{n}"
-        taken.add(name)
-        graph.initializer.append(numpy_helper.from_array(array, name))
-        return name
-
-    raised, replaced = [], set()
-    for tensor, nodes in readers.items():
-        scale = index.const(tensor)
-        if scale is None:
-            continue  # computed at run time: the lint's `scale` rule says so
-        scale = np.asarray(scale, np.float32)
-        if not np.all(np.isfinite(scale) & (scale > 0)):
-            bad = scale[~(np.isfinite(scale) & (scale > 0))].ravel()
-            raise ValueError(
-                f"Quantization scale '{tensor}' (read by "
-                f"{', '.join(index.name(n) for n in nodes[:3])}) holds "
-                f"{bad[0]}: a Q/DQ scale must be positive and finite, and "
-                "TensorRT rejects this graph. An uncalibrated quantizer "
-                "(amax 0) gives scale 0: run keras_mp.calibrate(model, "
-                "data) on finite data, or skip that layer with "
-                "QuantizeConfig(skip=True)."
-            )
-        if not np.any(scale < _FP16_TINY):
-            continue
-        new_scale = np.maximum(scale, np.float32(_FP16_TINY))
-        new_name = add(f"{tensor}_fp16_normal", new_scale)
-        replaced.add(tensor)
-        empty = None
-        for node in nodes:
-            node.input[1] = new_name
-            codes = index.const(node.input[0])
-            if node.op_type != "DequantizeLinear" or codes is None:
-                continue  # activation pairs: the Q computes with the new scale
-            axis = attr(node, "axis", 1)
-            values = _dequantize(codes, scale, axis)
-            replaced.add(node.input[0])
-            node.input[0] = add(
-                f"{node.input[0]}_fp16_normal",
-                _quantize(values, new_scale, axis),
-            )
-            empty = _empty_channels(codes, scale, axis)
-        raised.append(
-            RaisedScale(tensor, [index.name(n) for n in nodes], scale, empty)
-        )
-    _drop_unused(graph, replaced)
-    return raised
-
-
-def _empty_channels(codes, scale, axis):
-    """Per channel of `scale`: whether all of its INT8 codes are zero."""
-    if scale.size == 1:
-        return np.asarray(not np.any(codes)).reshape(scale.shape)
-    per_channel = np.moveaxis(codes, axis % codes.ndim, 0)
-    return ~np.any(per_channel.reshape(len(per_channel), -1), axis=1)
-
-
-def _drop_unused(graph, names):
-    """Removes the initializers (or Constant nodes) among `names` that no
-    node reads any more."""
-    used = {name for node in graph.node for name in node.input}
-    used |= {o.name for o in graph.output}
-    for init in list(graph.initializer):
-        if init.name in names and init.name not in used:
-            graph.initializer.remove(init)
-    for node in list(graph.node):
-        if node.op_type == "Constant" and node.output[0] in names - used:
-            graph.node.remove(node)
-
-
-def _quantizer_scales(model):
-    """`(description, range amax, exported scale)` of each enabled quantizer
-    of `model`; the scale is the one tf2onnx writes for it:
-    `max(amax, MIN_AMAX) / 127` in float32."""
-    from keras_mp.quantization.layers import (
-        QuantizeWrapper,
-        iter_quantize_layers,
-    )
-    from keras_mp.quantization.quantizers import MIN_AMAX
-
-    found = []
-    for layer in iter_quantize_layers(model):
-        if not isinstance(layer, QuantizeWrapper):
-            if layer.enabled:
-                found.append((f"QuantizeActivation '{layer.name}'", layer.amax))
-            continue
-        where = f"{type(layer.layer).__name__} '{layer.layer.name}'"
-        for i, q in zip(layer.input_indices, layer.input_quantizers):
-            if q.enabled:
-                found.append(
-                    (f"input {i} of {where} ({layer.name}/{q.name})", q.amax)
-                )
-        if layer.enabled:
-            for weight, _, amax in layer.weight_ranges:
-                found.append((f"{weight} of {where} ({layer.name})", amax))
-    rows = []
-    for description, variable in found:
-        amax = np.asarray(variable.numpy(), np.float32)
-        scale = np.maximum(amax, np.float32(MIN_AMAX)) / np.float32(_STEPS)
-        rows.append((description, amax, scale.astype(np.float32)))
-    return rows
-
-
-def _cost(raised):
-    """What raising `raised` costs its grid, in words."""
-    amax = raised.scale.astype(np.float64) * _STEPS
-    steps = amax / _FP16_TINY
-    low = raised.scale < _FP16_TINY
-    if raised.empty is None:
-        n = float(np.max(steps))
-        got = f"{n:.0f}" if n >= 0.5 else "0 (every value rounds to 0)"
-        return (
-            f"its INT8 grid gets {got} instead of {_STEPS} steps over its "
-            f"calibrated range [-{amax.max():.3g}, {amax.max():.3g}], and "
-            f"it clips at {_STEPS * _FP16_TINY:.3g} instead of "
-            f"{amax.max():.3g}"
-        )
-    lossy = low & ~raised.empty
-    text = f"{int(low.sum())} of {low.size} channel(s) raised"
-    if lossy.any():
-        text += (
-            f"; {int(lossy.sum())} of them get as few as "
-            f"{float(steps[lossy].min()):.0f} instead of {_STEPS} INT8 steps "
-            f"over their range (amax down to {amax[lossy].min():.3g})"
-        )
-    if (low & raised.empty).any():
-        text += (
-            f"; {int((low & raised.empty).sum())} hold only zeros and lose "
-            "nothing"
-        )
-    return text
-
-
-def _describe(raised, model):
-    """`(owner, cost)` lines for the warning: each raised scale matched to
-    the Keras quantizers whose range exports as it (tf2onnx renames Q/DQ
-    nodes and shares one scale tensor between equal ranges, so the value
-    says whose it is, not the name); an unmatched scale is named by its
-    ONNX tensor and nodes."""
-    quantizers = _quantizer_scales(model) if model is not None else []
-    lines = {}
-    for r in raised:
-        owners = [
-            description
-            for description, _, scale in quantizers
-            if scale.size == r.scale.size
-            and np.allclose(scale.ravel(), r.scale.ravel(), rtol=1e-6, atol=0)
-        ]
-        if not owners:
-            owners = [
-                f"ONNX scale '{r.tensor}' (read by {', '.join(r.nodes[:3])})"
-            ]
-        for owner in owners:
-            lines.setdefault(owner, _cost(r))
-    order = {d: i for i, (d, _, _) in enumerate(quantizers)}
-    return sorted(lines.items(), key=lambda kv: order.get(kv[0], len(order)))
-
-
-def _raised_message(raised, model):
-    lines = _describe(raised, model)
-    name = f" of model {model.name!r}" if model is not None else ""
-    listing = "\n".join(f"  - {owner}: {cost}" for owner, cost in lines)
-    return (
-        f"fp16=True: {len(lines)} quantizer(s){name} have a Q/DQ scale below "
-        f"float16's smallest normal number {_FP16_TINY:.3g}, which float16 "
-        "would store with fewer significant bits and flush-to-zero kernels "
-        "read as 0. Each was raised to the smallest normal (the Q and DQ of "
-        "a pair together; weight codes requantized), which coarsens its "
-        f"grid:\n{listing}\nThe parity check (verify_data) measures the "
-        "effect on the outputs. To keep the full grid, export with "
-        "fp16=False (float32 scales), skip these layers "
-        "(QuantizeConfig(skip=True)), or scale the model so that these "
-        f"ranges are at least {_STEPS * _FP16_TINY:.3g}."
-    )
 
 
 def to_float16(model_proto, model=None):
@@ -301,7 +64,7 @@ def to_float16(model_proto, model=None):
     model_copy.CopyFrom(model_proto)
     raised = raise_subnormal_scales(model_copy)
     if raised:
-        warnings.warn(_raised_message(raised, model), UserWarning, stacklevel=3)
+        warnings.warn(raised_message(raised, model), UserWarning, stacklevel=3)
     graph = model_copy.graph
     keep32 = set()
     for node in graph.node:

@@ -14,9 +14,10 @@ from onnx import helper, numpy_helper
 
 import keras_mp
 from benchmarks.bench_zoo import refresh_batchnorm
-from keras_mp.onnx.fp16 import raise_subnormal_scales, to_float16
+from keras_mp.onnx.fp16 import to_float16
 from keras_mp.onnx.graph import LAYOUT_OPS
 from keras_mp.onnx.parity import ort_session, run_session
+from keras_mp.onnx.subnormal import raise_subnormal_scales
 from keras_mp.onnx.twin import half_compute_dtype
 from tests.onnx.test_twin import HALF, _element_types
 
