@@ -141,8 +141,49 @@ def _broadcast_scale(scale, ndim, axis):
 
 
 def _quantize(values, scale, axis):
+    """The INT8 codes Keras' weight quantizer gave `values`, bit for bit.
+
+    TF's `QuantizeAndDequantizeV3` (narrow range, range `amax` given)
+    rounds `clip(w, -amax, amax) * float32(127 / amax)` half to even, in
+    float32; ONNX's QuantizeLinear rounds `w / scale` with `scale =
+    float32(amax / 127)` (all tf2onnx keeps), which picks the other code at
+    some ties. So `amax` is recovered from the scale and TF's product is
+    rounded.
+    """
+    values = np.asarray(values, np.float32)
     scale = _broadcast_scale(np.asarray(scale, np.float32), values.ndim, axis)
-    return np.clip(np.rint(values / scale), -128, 127).astype(np.int8)
+    amax = _amax(values, scale)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        codes = np.rint(
+            np.clip(values, -amax, amax) * (np.float32(127) / amax)
+        )
+    return np.clip(codes, -128, 127).astype(np.int8)
+
+
+def _amax(values, scale):
+    """The float32 range `amax` with `float32(amax / 127) == scale`, per
+    channel (`scale` broadcast against `values`).
+
+    keras_mp's weight range is the weight's own `max|w|` (per channel), so
+    that is taken when it gives back the scale; otherwise (a range set by
+    hand, or stale) the float32 nearest `127 * scale` that does. At most two
+    float32 values give one scale, so a stale range is the only case where
+    the pick can be wrong.
+    """
+    channel_axes = tuple(
+        a for a in range(values.ndim) if scale.ndim == 0 or scale.shape[a] == 1
+    )
+    peak = np.max(np.abs(values), axis=channel_axes, keepdims=True)
+    near = (scale * np.float32(127)).astype(np.float32)
+    amax = near
+    for candidate in (
+        np.nextafter(near, np.float32(0)),
+        np.nextafter(near, np.float32(np.inf)),
+        near,
+        peak,
+    ):  # later candidates win
+        amax = np.where(candidate / np.float32(127) == scale, candidate, amax)
+    return amax
 
 
 def _dequantize(codes, scale, axis):
