@@ -6,6 +6,7 @@ import numpy as np
 
 from keras_mp._compat import optional_import
 from keras_mp.onnx.graph import (
+    LAYOUT_OPS,
     GraphIndex,
     apply_layout,
     attr,
@@ -117,16 +118,26 @@ def fold_weight_qdq(model_proto):
 
 def _dq_constants(dq, index):
     """(INT8 codes, float32 scale, axis) of a weight DequantizeLinear whose
-    codes are a constant or a QuantizeLinear of one; Nones otherwise."""
+    codes are a constant or a QuantizeLinear of one, possibly moved by
+    layout ops (tf2onnx puts an EinsumDense kernel's Reshape between the Q
+    and the DQ); Nones otherwise."""
     scale = index.const(dq.input[1])
     codes = index.const(dq.input[0])
-    q = index.producers.get(dq.input[0])
+    layout, q = [], index.producers.get(dq.input[0])
+    while q is not None and q.op_type in LAYOUT_OPS:
+        layout.append(q)
+        q = index.producers.get(q.input[0])
     if codes is None and q is not None and q.op_type == "QuantizeLinear":
         values = index.const(q.input[0])
         if values is not None:
             codes = _quantize(
                 values, index.const(q.input[1]), attr(q, "axis", 1)
             )
+            try:
+                for op in reversed(layout):
+                    codes = apply_layout(op, codes, index.constants)
+            except ValueError:  # a computed shape: leave this weight
+                codes = None
     if codes is None or scale is None:
         return None, None, None
     return codes, np.asarray(scale, np.float32), attr(dq, "axis", 1)
@@ -154,9 +165,7 @@ def _quantize(values, scale, axis):
     scale = _broadcast_scale(np.asarray(scale, np.float32), values.ndim, axis)
     amax = _amax(values, scale)
     with np.errstate(divide="ignore", invalid="ignore"):
-        codes = np.rint(
-            np.clip(values, -amax, amax) * (np.float32(127) / amax)
-        )
+        codes = np.rint(np.clip(values, -amax, amax) * (np.float32(127) / amax))
     return np.clip(codes, -128, 127).astype(np.int8)
 
 
