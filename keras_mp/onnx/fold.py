@@ -14,10 +14,13 @@ from keras_mp.onnx.graph import (
 )
 
 
-def _shapes(model_proto, index, op, inferred):
+def _shapes(model_proto, index, op, inferred, known):
     """`index.constants`, plus, for a Reshape whose target shape is computed
-    (a Concat of Shape slices that tf2onnx did not fold), the static shape
-    ONNX shape inference gives its output."""
+    (a Concat of Shape slices that tf2onnx did not fold), that shape: the
+    static one ONNX shape inference gives its output, else the shape
+    computation evaluated from the weight-side shapes `known` (by tensor
+    name). A weight's shape never depends on the batch or the sequence
+    length, even where tf2onnx computes it at run time."""
     if op.op_type != "Reshape" or op.input[1] in index.constants:
         return index.constants
     if not inferred:  # once per graph, only when needed
@@ -35,8 +38,74 @@ def _shapes(model_proto, index, op, inferred):
         )
     shape = inferred.get(op.output[0])
     if not shape or None in shape:
+        shape = _evaluate(index, op.input[1], known)
+    if shape is None:
         return index.constants
     return {**index.constants, op.input[1]: np.asarray(shape, np.int64)}
+
+
+# A shape computation (Shape, Gather, ReduceProd, Concat, ...) is a handful
+# of nodes; anything larger is not one.
+_MAX_SHAPE_NODES = 32
+
+
+def _evaluate(index, tensor, known):
+    """The value of `tensor` when the nodes computing it read only
+    constants (a Shape of a tensor whose shape is `known`, or a weight's
+    DequantizeLinear, counts as one), evaluated with ONNX's reference
+    evaluator; None otherwise."""
+    onnx = optional_import("onnx")
+    from onnx.reference import ReferenceEvaluator
+
+    nodes, feeds, pending = {}, {}, [tensor]
+    while pending:
+        name = pending.pop()
+        if not name or name in feeds or name in nodes:
+            continue
+        node = index.producers.get(name)
+        if index.const(name) is not None:
+            feeds[name] = index.const(name)
+        elif (
+            node is not None
+            and node.op_type == "Shape"
+            and (node.input[0] in known)
+        ):
+            shape = known[node.input[0]]
+            end = attr(node, "end", None)
+            feeds[name] = np.asarray(shape[attr(node, "start", 0) : end])
+        elif node is not None and node.op_type == "DequantizeLinear":
+            codes, scale, axis = _dq_constants(node, index)
+            if codes is None:
+                return None
+            feeds[name] = _dequantize(codes, scale, axis)
+        elif node is None or len(nodes) == _MAX_SHAPE_NODES:
+            return None
+        else:
+            nodes[name] = node
+            pending.extend(node.input)
+    helper = onnx.helper
+    chosen = {id(n) for n in nodes.values()}
+    graph = helper.make_graph(
+        [n for n in index.nodes if id(n) in chosen],  # in graph order
+        "shape",
+        [
+            helper.make_tensor_value_info(
+                name,
+                helper.np_dtype_to_tensor_dtype(np.asarray(value).dtype),
+                np.shape(value),
+            )
+            for name, value in feeds.items()
+        ],
+        [helper.make_tensor_value_info(tensor, onnx.TensorProto.INT64, None)],
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", index.opset)]
+    )
+    try:
+        (value,) = ReferenceEvaluator(model).run(None, feeds)
+    except Exception:  # an op the evaluator does not know: leave it
+        return None
+    return value
 
 
 def fold_weight_qdq(model_proto):
@@ -72,11 +141,13 @@ def fold_weight_qdq(model_proto):
         ):
             continue
         values = _dequantize(codes, scale, dq_axis)
+        known = {dq.output[0]: values.shape}
         try:
             for op in reversed(source.layout):
                 values = apply_layout(
-                    op, values, _shapes(model_proto, index, op, inferred)
+                    op, values, _shapes(model_proto, index, op, inferred, known)
                 )
+                known[op.output[0]] = values.shape
         except ValueError:  # a shape that is neither constant nor static
             continue
         weight_axis = output_channel_axis(node, 1, values.ndim) % values.ndim
@@ -112,8 +183,30 @@ def fold_weight_qdq(model_proto):
         )
         graph.node.insert(list(graph.node).index(node), new_dq)
         node.input[1] = f"{base}_dq"
+    _fold_weight_shapes(graph, index)
     _prune_dead(graph)
     return model_proto
+
+
+def _fold_weight_shapes(graph, index):
+    """Replaces each Shape of a weight (through its Q/DQ and layout ops) by
+    its value: tf2onnx computes an EinsumDense output's shape from the
+    kernel's at run time with a dynamic sequence length, which would keep
+    the unfolded weight Q/DQ in the graph, feeding only that Shape."""
+    numpy_helper = optional_import("onnx.numpy_helper")
+    for node in index.nodes:
+        if node.op_type != "Shape":
+            continue
+        source = index.trace(node.input[0])
+        if source.dq is None or source.name is None:
+            continue
+        value = _evaluate(index, node.output[0], {})
+        if value is None:
+            continue
+        name = f"{index.name(node)}_value"
+        graph.initializer.append(numpy_helper.from_array(value, name))
+        for consumer, slot in index.consumers.get(node.output[0], []):
+            consumer.input[slot] = name
 
 
 def _dq_constants(dq, index):
