@@ -72,7 +72,9 @@ def _evaluate(index, tensor, known):
         ):
             shape = known[node.input[0]]
             end = attr(node, "end", None)
-            feeds[name] = np.asarray(shape[attr(node, "start", 0) : end])
+            feeds[name] = np.asarray(
+                shape[attr(node, "start", 0) : end], np.int64
+            )
         elif node is not None and node.op_type == "DequantizeLinear":
             codes, scale, axis = _dq_constants(node, index)
             if codes is None:
@@ -114,7 +116,11 @@ def fold_weight_qdq(model_proto):
     A weight QuantizeLinear on a constant becomes an INT8 initializer, and
     layout ops (Transpose, Reshape, ...) between a weight's
     DequantizeLinear and its Conv, ConvTranspose, MatMul or Gemm are
-    applied to the initializer, so the DQ feeds the op directly.
+    applied to the initializer, so the DQ feeds the op directly. The codes
+    are those Keras' weight quantizer computed (`_quantize`). A Reshape
+    shape that tf2onnx computes from the weight's own shape at run time
+    (EinsumDense kernels with a dynamic sequence length) is evaluated, and
+    so is any other Shape of a weight.
 
     Args:
         model_proto: an `onnx.ModelProto`, edited in place.

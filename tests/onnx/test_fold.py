@@ -118,3 +118,76 @@ def test_fold_matches_keras_codes_at_ties(tmp_path):
         np.testing.assert_array_equal(
             np.sort(got, axis=None), np.sort(want, axis=None), layer.name
         )
+
+
+def _einsum_kernel_graph():
+    """The graph tf2onnx writes for an EinsumDense kernel when the sequence
+    length is dynamic: the weight's DQ reaches its Gemm through Unsqueeze,
+    Transpose and a Reshape whose shape is computed from the weight's own
+    Shape at run time, and the output's shape reads that Shape too."""
+    h = onnx.helper
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((2, 4, 6)).astype(np.float32)
+    scale = (np.abs(w).max(axis=(0, 1)) / 127).astype(np.float32)
+
+    def const(name, value):
+        return onnx.numpy_helper.from_array(np.asarray(value), name)
+
+    nodes = [
+        h.make_node("QuantizeLinear", ["w", "s", "zp"], ["wq"], axis=2),
+        h.make_node("DequantizeLinear", ["wq", "s", "zp"], ["wdq"], axis=2),
+        h.make_node("Unsqueeze", ["wdq", "zero"], ["w1"]),
+        h.make_node("Transpose", ["w1"], ["w2"], perm=[0, 3, 1, 2]),
+        h.make_node("Shape", ["w2"], ["w2_shape"]),
+        h.make_node("Gather", ["w2_shape", "in_axes"], ["in_dims"]),
+        h.make_node("ReduceProd", ["in_dims"], ["k"], keepdims=1),
+        h.make_node("Concat", ["minus_one", "k"], ["w_shape"], axis=0),
+        h.make_node("Reshape", ["w2", "w_shape"], ["w3"]),
+        h.make_node("Gemm", ["x", "w3"], ["y"], transB=1),
+        h.make_node("Shape", ["x"], ["x_shape"]),
+        h.make_node("Slice", ["x_shape", "zero", "one"], ["batch"]),
+        h.make_node("Gather", ["w2_shape", "one"], ["n"]),
+        h.make_node("Concat", ["batch", "n"], ["y_shape"], axis=0),
+        h.make_node("Reshape", ["y", "y_shape"], ["out"]),
+    ]
+    graph = h.make_graph(
+        nodes,
+        "einsum_kernel",
+        [h.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["n", 8])],
+        [h.make_tensor_value_info("out", onnx.TensorProto.FLOAT, ["n", 6])],
+        [
+            const("w", w),
+            const("s", scale),
+            const("zp", np.zeros(6, np.int8)),
+            const("zero", np.array([0], np.int64)),
+            const("one", np.array([1], np.int64)),
+            const("minus_one", np.array([-1], np.int64)),
+            const("in_axes", np.array([2, 3], np.int64)),
+        ],
+    )
+    return h.make_model(graph, opset_imports=[h.make_opsetid("", 17)])
+
+
+def test_fold_evaluates_a_weight_shape_computed_at_run_time():
+    ort = pytest.importorskip("onnxruntime")
+    from keras_mp.onnx.fold import fold_weight_qdq
+
+    model = _einsum_kernel_graph()
+    before = ort.InferenceSession(model.SerializeToString())
+    folded = fold_weight_qdq(model)
+    onnx.checker.check_model(folded)
+    index = GraphIndex(folded)
+    (gemm,) = index.weighted
+    dq = index.producers[gemm.input[1]]
+    assert dq.op_type == "DequantizeLinear"
+    assert index.const(dq.input[0]).dtype == np.int8
+    assert index.const(dq.input[0]).shape == (6, 8)
+    ops = [n.op_type for n in folded.graph.node]
+    assert "QuantizeLinear" not in ops and ops.count("Shape") == 1  # of x
+    after = ort.InferenceSession(folded.SerializeToString())
+    rng = np.random.default_rng(1)
+    for batch in (1, 5):  # the run-time dimension
+        x = {"x": rng.standard_normal((batch, 8)).astype(np.float32)}
+        np.testing.assert_array_equal(
+            after.run(None, x)[0], before.run(None, x)[0]
+        )

@@ -174,6 +174,23 @@ def test_random_vit_export_parity(tmp_path):
     assert checked == 13  # patch conv; 2 x (Q, K, V, output, 2 MLP Dense)
 
 
+@pytest.mark.slow
+def test_bare_bert_backbone_with_dynamic_sequence_length(tmp_path):
+    # The backbone's own inputs are (None,): tf2onnx computes the attention
+    # output kernel's Reshape from the kernel's Shape at run time.
+    from benchmarks.bench_zoo import _bert_tiny
+
+    qmodel = keras_mp.quantize_model(_bert_tiny())
+    keras_mp.calibrate(qmodel, tokens(), verbose=0)
+    path = str(tmp_path / "bert.onnx")
+    keras_mp.export_onnx(qmodel, path, verify_data=tokens(8, seed=1))
+    lint = keras_mp.check_tensorrt(path)
+    assert lint.ok, lint.to_markdown()
+    assert lint.weighted_ops == lint.weighted_ops_quantized == 17
+    short = {k: v[:, :7] for k, v in tokens(8, seed=2).items()}
+    keras_mp.verify_onnx(qmodel, path, short)  # ParityError past 1e-2
+
+
 def test_cached_attention_gets_the_attention_qdq(tmp_path):
     inputs = keras.Input((6, 8))
     attention = keras_hub.layers.CachedMultiHeadAttention(2, 4, name="att")
