@@ -312,12 +312,12 @@ def _rule_output_qdq(graph):
         for q in graph.consumers_through(op.output[0]):
             if q.op_type != "QuantizeLinear":
                 continue
-            dqs = graph.consumers_through(q.output[0])
-            if not any(
-                n.op_type == "DequantizeLinear"
-                and graph.feeds_weighted_op(n.output[0])
-                for n in dqs
-            ):
+            dqs = [
+                n
+                for n in graph.consumers_through(q.output[0])
+                if n.op_type == "DequantizeLinear"
+            ]
+            if not any(_qdq_is_used(graph, dq) for dq in dqs):
                 yield Finding(
                     "output_qdq",
                     graph.name(q),
@@ -326,6 +326,24 @@ def _rule_output_qdq(graph):
                     "of weighted ops, so this pair may only add latency.",
                     "warning",
                 )
+
+
+def _qdq_is_used(graph, dq):
+    """Whether TensorRT fuses `dq`: it feeds a weighted op, or it is the
+    quantized skip input of a residual Add whose other input comes from a
+    quantized weighted op (the Conv+Add fusion `_rule_residual_add` asks
+    for)."""
+    if graph.feeds_weighted_op(dq.output[0]):
+        return True
+    for add in graph.consumers_through(dq.output[0]):
+        if add.op_type != "Add" or len(add.input) != 2:
+            continue
+        for tensor in add.input:
+            if graph.trace(tensor).dq is not dq and (
+                _from_quantized_weighted_op(graph, tensor) is not None
+            ):
+                return True
+    return False
 
 
 def _from_quantized_weighted_op(graph, tensor):

@@ -530,6 +530,37 @@ def test_output_qdq_is_followed_through_layout_ops(where):
     assert _fired(wasted, "output_qdq", warnings=True) == {"q_out"}
 
 
+@pytest.mark.parametrize("fusable", [True, False])
+def test_output_qdq_on_a_residual_skip_input(fusable):
+    # ResNet50V2's shortcut Conv feeds the residual Add through the skip
+    # input Q/DQ that lets TensorRT fuse the other Conv with the Add: not a
+    # wasted pair. Behind a Relu the other Conv cannot fuse: it is.
+    model = conv_model(y_scale=np.float32(0.1), y_zp=np.int8(0))
+    conv = next(n for n in model.graph.node if n.name == "conv")
+    conv.output[0] = "c"
+    main = "c2" if fusable else "r2"
+    model.graph.node.extend(
+        [
+            helper.make_node(
+                "QuantizeLinear", ["c", "y_scale", "y_zp"], ["cq"], "q_out"
+            ),
+            helper.make_node(
+                "DequantizeLinear", ["cq", "y_scale", "y_zp"], ["cdq"], "dq_out"
+            ),
+            helper.make_node("Conv", ["xdq", "wdq", "b"], ["c2"], "conv2"),
+            helper.make_node("Relu", ["c2"], ["r2"], "relu"),
+            helper.make_node("Add", [main, "cdq"], ["y"], "add"),
+        ]
+    )
+    report = check_tensorrt(model)
+    assert report.ok
+    if fusable:
+        assert report.warnings == [], str(report)
+    else:
+        assert _fired(report, "output_qdq", warnings=True) == {"q_out"}
+        assert _fired(report, "residual_add", warnings=True) == {"add"}
+
+
 def test_residual_add_with_unquantized_skip_warns():
     model = conv_model()
     conv = next(n for n in model.graph.node if n.name == "conv")
