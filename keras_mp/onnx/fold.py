@@ -117,7 +117,7 @@ def fold_weight_qdq(model_proto):
     layout ops (Transpose, Reshape, ...) between a weight's
     DequantizeLinear and its Conv, ConvTranspose, MatMul or Gemm are
     applied to the initializer, so the DQ feeds the op directly. The codes
-    are those Keras' weight quantizer computed (`_quantize`). A Reshape
+    are those Keras' weight quantizer computed (`_keras_codes`). A Reshape
     shape that tf2onnx computes from the weight's own shape at run time
     (EinsumDense kernels with a dynamic sequence length) is evaluated, and
     so is any other Shape of a weight.
@@ -229,7 +229,7 @@ def _dq_constants(dq, index):
     if codes is None and q is not None and q.op_type == "QuantizeLinear":
         values = index.const(q.input[0])
         if values is not None:
-            codes = _quantize(
+            codes = _keras_codes(
                 values, index.const(q.input[1]), attr(q, "axis", 1)
             )
             try:
@@ -251,6 +251,14 @@ def _broadcast_scale(scale, ndim, axis):
 
 
 def _quantize(values, scale, axis):
+    """ONNX QuantizeLinear's INT8 codes of `values` (`w / scale`, rounded
+    half to even, saturated), for codes that no Keras quantizer computed
+    (export's float16 pass requantizing a weight to a raised scale)."""
+    scale = _broadcast_scale(np.asarray(scale, np.float32), values.ndim, axis)
+    return np.clip(np.rint(values / scale), -128, 127).astype(np.int8)
+
+
+def _keras_codes(values, scale, axis):
     """The INT8 codes Keras' weight quantizer gave `values`, bit for bit.
 
     TF's `QuantizeAndDequantizeV3` (narrow range, range `amax` given)
@@ -273,10 +281,11 @@ def _amax(values, scale):
     channel (`scale` broadcast against `values`).
 
     keras_mp's weight range is the weight's own `max|w|` (per channel), so
-    that is taken when it gives back the scale; otherwise (a range set by
-    hand, or stale) the float32 nearest `127 * scale` that does. At most two
-    float32 values give one scale, so a stale range is the only case where
-    the pick can be wrong.
+    that is taken when it gives back the scale; otherwise the float32
+    nearest `127 * scale` that does. That is the case of a range that is no
+    longer the weight's `max|w|` (after `fit`, it is one optimizer step
+    old); at most two float32 values give one scale, so only there can the
+    pick be the other one, and a code differ at an exact tie.
     """
     channel_axes = tuple(
         a for a in range(values.ndim) if scale.ndim == 0 or scale.shape[a] == 1
