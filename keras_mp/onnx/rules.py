@@ -32,7 +32,9 @@ QOPERATOR_OPS = frozenset(
     QLinearConvTranspose QLinearWhere""".split()
 )
 SPARSE_OPS = ("Conv", "MatMul", "Gemm")
-# Ops through which TensorRT moves a Q/DQ pair on to the next weighted op.
+# Ops that commute with quantization, through which TensorRT's Q/DQ
+# propagation moves a Q backwards and a DQ forwards: layout ops (values
+# only moved) and max pooling (max of codes is the code of the max).
 PASS_THROUGH_OPS = LAYOUT_OPS | {"MaxPool", "GlobalMaxPool"}
 
 
@@ -61,16 +63,24 @@ class LintGraph(GraphIndex):
         super().__init__(model)
         self.check_sparsity = check_sparsity
 
-    def feeds_weighted_op(self, tensor, seen=None):
-        seen = set() if seen is None else seen
-        for node, _ in self.consumers.get(tensor, []):
-            if node.op_type in WEIGHT_SLOTS:
-                return True
-            if node.op_type in PASS_THROUGH_OPS and id(node) not in seen:
-                seen.add(id(node))
-                if self.feeds_weighted_op(node.output[0], seen):
-                    return True
-        return False
+    def consumers_through(self, tensor):
+        """The nodes reading `tensor`, directly or past `PASS_THROUGH_OPS`
+        (which are walked, not listed)."""
+        found, pending, seen = [], [tensor], set()
+        while pending:
+            for node, _ in self.consumers.get(pending.pop(), []):
+                if node.op_type not in PASS_THROUGH_OPS:
+                    found.append(node)
+                elif id(node) not in seen:
+                    seen.add(id(node))
+                    pending.append(node.output[0])
+        return found
+
+    def feeds_weighted_op(self, tensor):
+        return any(
+            node.op_type in WEIGHT_SLOTS
+            for node in self.consumers_through(tensor)
+        )
 
 
 def _qdq_type(graph, node):
@@ -296,12 +306,18 @@ def _rule_float_weighted_ops(graph):
 
 
 def _rule_output_qdq(graph):
+    # Layout ops may stand between the op and its Q, between the Q and its
+    # DQ, and after the DQ (tf2onnx puts attention's head split there).
     for op in graph.weighted:
-        for q, _ in graph.consumers.get(op.output[0], []):
+        for q in graph.consumers_through(op.output[0]):
             if q.op_type != "QuantizeLinear":
                 continue
-            dqs = [n for n, _ in graph.consumers.get(q.output[0], [])]
-            if not any(graph.feeds_weighted_op(n.output[0]) for n in dqs):
+            dqs = [
+                n
+                for n in graph.consumers_through(q.output[0])
+                if n.op_type == "DequantizeLinear"
+            ]
+            if not any(_qdq_is_used(graph, dq) for dq in dqs):
                 yield Finding(
                     "output_qdq",
                     graph.name(q),
@@ -310,6 +326,24 @@ def _rule_output_qdq(graph):
                     "of weighted ops, so this pair may only add latency.",
                     "warning",
                 )
+
+
+def _qdq_is_used(graph, dq):
+    """Whether TensorRT fuses `dq`: it feeds a weighted op, or it is the
+    quantized skip input of a residual Add whose other input comes from a
+    quantized weighted op (the Conv+Add fusion `_rule_residual_add` asks
+    for)."""
+    if graph.feeds_weighted_op(dq.output[0]):
+        return True
+    for add in graph.consumers_through(dq.output[0]):
+        if add.op_type != "Add" or len(add.input) != 2:
+            continue
+        for tensor in add.input:
+            if graph.trace(tensor).dq is not dq and (
+                _from_quantized_weighted_op(graph, tensor) is not None
+            ):
+                return True
+    return False
 
 
 def _from_quantized_weighted_op(graph, tensor):

@@ -462,6 +462,105 @@ def test_output_qdq_feeding_nothing_quantized_warns():
     assert _fired(report, "output_qdq", warnings=True) == {"q_out"}
 
 
+def _conv_output_qdq(where, feeds_matmul):
+    """conv_model with a Q/DQ on the Conv output and a Transpose `where`
+    ("before_q", "between", "after_dq") on its way, then a quantized MatMul
+    (or the graph output when not `feeds_matmul`)."""
+    model = conv_model(
+        y_scale=np.float32(0.1),
+        y_zp=np.int8(0),
+        m_q=_int8((128, 8)),
+        m_scale=np.full(8, 0.01, np.float32),
+        m_zp=np.zeros(8, np.int8),
+    )
+    conv = next(n for n in model.graph.node if n.name == "conv")
+    conv.output[0] = "c"
+    chain, tensor = [], "c"
+    for step in ("before_q", "q", "between", "dq", "after_dq"):
+        out = f"{tensor}_{step}"
+        if step == where:
+            node = helper.make_node(
+                "Transpose", [tensor], [out], "move", perm=[0, 2, 3, 1]
+            )
+        elif step in ("q", "dq"):
+            op = "QuantizeLinear" if step == "q" else "DequantizeLinear"
+            node = helper.make_node(
+                op, [tensor, "y_scale", "y_zp"], [out], f"{step}_out"
+            )
+        else:
+            continue
+        chain.append(node)
+        tensor = out
+    if feeds_matmul:
+        chain += [
+            helper.make_node("Flatten", [tensor], ["flat"], "flatten"),
+            helper.make_node(
+                "DequantizeLinear",
+                ["m_q", "m_scale", "m_zp"],
+                ["mdq"],
+                "dq_m",
+                axis=1,
+            ),
+            helper.make_node("MatMul", ["flat", "mdq"], ["y"], "matmul"),
+        ]
+        shape = [1, 8]
+    else:
+        chain.append(helper.make_node("Identity", [tensor], ["y"], "out"))
+        shape = [1, 4, 4, 8]
+    model.graph.node.extend(chain)
+    model.graph.output[0].CopyFrom(
+        helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)
+    )
+    return model
+
+
+@pytest.mark.parametrize("where", ["before_q", "between", "after_dq"])
+def test_output_qdq_is_followed_through_layout_ops(where):
+    # Q/DQ on a Conv output that feeds a MatMul's input is a TensorRT
+    # placement, whatever Transpose stands on the way (tf2onnx puts the
+    # attention head split there); feeding nothing weighted, it warns.
+    clean = _conv_output_qdq(where, feeds_matmul=True)
+    ort.InferenceSession(clean.SerializeToString()).run(
+        None, {"x": np.ones((1, 8, 6, 6), np.float32)}
+    )
+    report = check_tensorrt(clean)
+    assert report.ok and report.warnings == [], str(report)
+    assert report.weighted_ops == report.weighted_ops_quantized == 2
+    wasted = check_tensorrt(_conv_output_qdq(where, feeds_matmul=False))
+    assert _fired(wasted, "output_qdq", warnings=True) == {"q_out"}
+
+
+@pytest.mark.parametrize("fusable", [True, False])
+def test_output_qdq_on_a_residual_skip_input(fusable):
+    # ResNet50V2's shortcut Conv feeds the residual Add through the skip
+    # input Q/DQ that lets TensorRT fuse the other Conv with the Add: not a
+    # wasted pair. Behind a Relu the other Conv cannot fuse: it is.
+    model = conv_model(y_scale=np.float32(0.1), y_zp=np.int8(0))
+    conv = next(n for n in model.graph.node if n.name == "conv")
+    conv.output[0] = "c"
+    main = "c2" if fusable else "r2"
+    model.graph.node.extend(
+        [
+            helper.make_node(
+                "QuantizeLinear", ["c", "y_scale", "y_zp"], ["cq"], "q_out"
+            ),
+            helper.make_node(
+                "DequantizeLinear", ["cq", "y_scale", "y_zp"], ["cdq"], "dq_out"
+            ),
+            helper.make_node("Conv", ["xdq", "wdq", "b"], ["c2"], "conv2"),
+            helper.make_node("Relu", ["c2"], ["r2"], "relu"),
+            helper.make_node("Add", [main, "cdq"], ["y"], "add"),
+        ]
+    )
+    report = check_tensorrt(model)
+    assert report.ok
+    if fusable:
+        assert report.warnings == [], str(report)
+    else:
+        assert _fired(report, "output_qdq", warnings=True) == {"q_out"}
+        assert _fired(report, "residual_add", warnings=True) == {"add"}
+
+
 def test_residual_add_with_unquantized_skip_warns():
     model = conv_model()
     conv = next(n for n in model.graph.node if n.name == "conv")

@@ -4,10 +4,12 @@ inputs, trained, saved and loaded, exported with Q/DQ on every matmul."""
 
 import keras
 import numpy as np
+import onnx
 import pytest
 
 import keras_mp
 from keras_mp import _models
+from keras_mp.onnx.graph import GraphIndex
 from keras_mp.quantization import twins
 from tests.quantization.test_nested import _fused_attention_chains
 
@@ -124,32 +126,72 @@ def _exported(make, tmp_path, verify):
     qmodel = keras_mp.quantize_model(model)
     keras_mp.calibrate(qmodel, data, verbose=0)
     path = str(tmp_path / f"{make}.onnx")
-    keras_mp.export_onnx(qmodel, path, verify_data=data if verify else None)
-    return path
+    report = keras_mp.export_onnx(
+        qmodel, path, verify_data=data if verify else None
+    )
+    return qmodel, path, report
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("make", ["bert", "vit"])
 def test_export_puts_every_matmul_behind_qdq(make, tmp_path):
-    path = _exported(make, tmp_path, verify=make == "bert")
+    _, path, _ = _exported(make, tmp_path, verify=make == "bert")
     lint = keras_mp.check_tensorrt(path)
     assert lint.ok, lint.to_markdown()
     assert lint.weighted_ops == lint.weighted_ops_quantized > 0
     assert _fused_attention_chains(path) == [True, True]
+    # every Q/DQ on a matmul output reaches a matmul input, past the head
+    # split's Reshape and Transpose
+    assert not [f for f in lint.warnings if f.rule == "output_qdq"]
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    raises=keras_mp.ParityError,
-    reason="TF's QuantizeAndDequantizeV3 rounds w * (127 / amax), ONNX "
-    "QuantizeLinear w / (amax / 127): at a tie they pick different codes "
-    "(1 of 6,144 patch-conv weights of this random ViT), and the random "
-    "network amplifies that to 1e-2 relative L2 (trained nets: see "
-    "DESIGN.md)",
-)
 def test_random_vit_export_parity(tmp_path):
-    _exported("vit", tmp_path, verify=True)
+    # One of this random ViT's patch-conv weights sits at a rounding tie;
+    # given another INT8 code than Keras', it grew to 1e-2 relative L2.
+    # The export's parity check (ParityError past 1e-2) passes with every
+    # weight carrying Keras' codes; what is left is float32 noise that the
+    # random network amplifies.
+    qmodel, path, _ = _exported("vit", tmp_path, verify=True)
+    index = GraphIndex(onnx.load(path))
+    folded = {
+        index.const(dq.input[1]).tobytes(): index.const(dq.input[0])
+        for dq in index.qdq
+        if dq.op_type == "DequantizeLinear"
+        and getattr(index.const(dq.input[0]), "dtype", None) == np.int8
+    }
+    checked = 0
+    for layer in _models.walk_layers(qmodel):
+        for attr, quantizer in zip(
+            getattr(layer, "weight_attrs", ()),
+            getattr(layer, "weight_quantizers", ()),
+        ):
+            scale = np.asarray(quantizer.amax) / np.float32(127)
+            fake = np.asarray(quantizer(getattr(layer, attr)))
+            want = np.rint(fake.reshape(-1, scale.size) / scale)
+            got = folded[scale.astype(np.float32).tobytes()]
+            np.testing.assert_array_equal(
+                np.sort(got, axis=None), np.sort(want, axis=None), layer.name
+            )
+            checked += 1
+    assert checked == 13  # patch conv; 2 x (Q, K, V, output, 2 MLP Dense)
+
+
+@pytest.mark.slow
+def test_bare_bert_backbone_with_dynamic_sequence_length(tmp_path):
+    # The backbone's own inputs are (None,): tf2onnx computes the attention
+    # output kernel's Reshape from the kernel's Shape at run time.
+    from benchmarks.bench_zoo import _bert_tiny
+
+    qmodel = keras_mp.quantize_model(_bert_tiny())
+    keras_mp.calibrate(qmodel, tokens(), verbose=0)
+    path = str(tmp_path / "bert.onnx")
+    keras_mp.export_onnx(qmodel, path, verify_data=tokens(8, seed=1))
+    lint = keras_mp.check_tensorrt(path)
+    assert lint.ok, lint.to_markdown()
+    assert lint.weighted_ops == lint.weighted_ops_quantized == 17
+    short = {k: v[:, :7] for k, v in tokens(8, seed=2).items()}
+    keras_mp.verify_onnx(qmodel, path, short)  # ParityError past 1e-2
 
 
 def test_cached_attention_gets_the_attention_qdq(tmp_path):
