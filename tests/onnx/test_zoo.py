@@ -17,16 +17,9 @@ from benchmarks.bench_zoo import QUICK, ZOO, float_parity_verdict, measure
 KNOWN_FAILURES = {}
 # The fast subset is checked stage by stage (float, then INT8) on one
 # measurement; its known failures are those of the INT8 stage: model ->
-# reason.
-KNOWN_INT8_FAILURES = {
-    "BertBackbone_tiny": "issue 16: with a dynamic sequence length (the "
-    "backbone's own inputs are (None,)) the INT8 export breaks "
-    "weight_dq_direct on 2 Gemm nodes whose weight DequantizeLinear reaches "
-    "them through a Reshape with a computed shape (a Concat tf2onnx leaves "
-    "unfolded, not static under shape inference), so the weight Q/DQ "
-    "cannot be folded; with length 16 it exports lint-clean, 18/18 "
-    "(tests/quantization/test_keras_hub.py, the CLI test)",
-}
+# reason. None since the weight fold evaluates BERT's run-time kernel
+# Reshape shapes (dynamic sequence length).
+KNOWN_INT8_FAILURES = {}
 
 
 def _check_float(row):
