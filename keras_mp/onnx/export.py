@@ -21,7 +21,13 @@ from keras_mp.onnx.parity import (
     verify_inputs,
 )
 from keras_mp.onnx.twin import float32_twin, half_compute_dtype
-from keras_mp.quantization.layers import QuantizeActivation, QuantizeWrapper
+from keras_mp.quantization.calibrate import activation_quantizers
+from keras_mp.quantization.layers import (
+    QuantizeActivation,
+    QuantizeWrapper,
+    iter_quantize_layers,
+)
+from keras_mp.quantization.twins import is_quantized
 
 # tf2onnx 1.17 converts up to opset 18; later opsets go through ONNX's
 # version converter.
@@ -48,22 +54,23 @@ def _check_signature(model, what):
         )
 
 
+def _weight_bits(layer):
+    """The weight bits of a wrapper or quantized twin; None for others."""
+    if isinstance(layer, QuantizeWrapper):
+        return layer.config.num_bits
+    if is_quantized(layer):
+        return layer.quantize_config.num_bits
+    return None
+
+
 def _check_exportable(model):
     _check_signature(model, "export_onnx")
-    problems = []
-    for layer in walk_layers(model, stop_at=(QuantizeWrapper,)):
-        if not isinstance(layer, (QuantizeWrapper, QuantizeActivation)):
-            continue
-        quantizers = (
-            layer.input_quantizers
-            if isinstance(layer, QuantizeWrapper)
-            else [layer]
-        )
-        for q in quantizers:
-            if isinstance(q, QuantizeActivation) and not (
-                0 < float(q.amax.numpy()) < np.inf
-            ):
-                problems.append(f"{layer.name}/{q.name}")
+    quantizers = activation_quantizers(model)
+    problems = [
+        name
+        for name, q in quantizers.items()
+        if not 0 < float(q.amax.numpy()) < np.inf
+    ]
     if problems:
         raise ExportError(
             f"Uncalibrated (or collapsed, amax 0) or non-finite activation "
@@ -71,6 +78,28 @@ def _check_exportable(model):
             "or inf, which TensorRT rejects. Run keras_mp.calibrate(model, "
             "data) first (on finite data), or skip those layers with "
             "QuantizeConfig(skip=True)."
+        )
+    narrow = sorted(
+        {
+            f"{name} ({q.num_bits} bits)"
+            for name, q in quantizers.items()
+            if q.num_bits != 8
+        }
+        | {
+            f"{layer.name} weights ({bits} bits)"
+            for layer in iter_quantize_layers(model)
+            if (bits := _weight_bits(layer)) not in (None, 8)
+        }
+    )
+    if narrow:
+        raise ExportError(
+            f"ONNX export writes INT8 Q/DQ (scale = amax / 127), but "
+            f"{len(narrow)} quantizer(s) of model {model.name!r} use fewer "
+            f"bits: {', '.join(narrow[:8])}"
+            + (", ..." if len(narrow) > 8 else "")
+            + ". The file would not compute what the Keras model does. "
+            "Quantize with QuantizeConfig(num_bits=8) to export; fewer bits "
+            "are for simulation in Keras only. Nothing was written."
         )
 
 

@@ -353,3 +353,21 @@ def test_models_export_cannot_take_are_named(tmp_path):
     ):
         keras_mp.export_saved_model(small_cnn(), tmp_path / "existing_sm")
     assert sorted(os.listdir(tmp_path)) == ["existing_sm"]
+
+
+def test_fewer_than_8_bits_is_refused_and_writes_nothing(tmp_path):
+    x = np.random.default_rng(6).random((8, 6), np.float32)
+    inputs = keras.Input((6,))
+    model = keras.Model(inputs, keras.layers.Dense(3, name="fc")(inputs))
+    qmodel = keras_mp.quantize_model(
+        model, config=keras_mp.QuantizeConfig(num_bits=4)
+    )
+    keras_mp.calibrate(qmodel, x, verbose=0)
+    path = tmp_path / "q4.onnx"
+    with pytest.raises(
+        keras_mp.ExportError,
+        match=r"INT8 Q/DQ .* 2 quantizer\(s\) .* fewer bits: "
+        r".*fc.*\(4 bits\).*num_bits=8.*Nothing was written",
+    ):
+        keras_mp.export_onnx(qmodel, path)
+    assert os.listdir(tmp_path) == []
