@@ -102,7 +102,9 @@ INTRO = (
     "and keras-hub backbones built from a config: `BertBackbone` (2 layers, "
     "hidden 32, vocabulary 100; a dict of int32 `token_ids`, `segment_ids`, "
     "`padding_mask` of length 16 in, `sequence_output` and `pooled_output` "
-    "out), `ViTBackbone` (32x32, patch 8, 2 layers, hidden 32), "
+    "out; `_seq16`: the same backbone called on inputs of fixed length 16, "
+    "as a classifier feeds it), `ViTBackbone` (32x32, patch 8, 2 layers, "
+    "hidden 32), "
     "`ResNetBackbone` (basic blocks, stages of 64 and 128 filters). "
     "Float: `export_onnx` then `verify_onnx` on 8 random inputs (goal: "
     "relative L2 <= 1e-4, the worst output of several; beside it, Keras "
@@ -202,6 +204,17 @@ def _bert_tiny():
     )
 
 
+def _bert_tiny_fixed():
+    # The same backbone with inputs of length `SEQ` (its own are (None,)),
+    # as a fixed-length classifier would feed it.
+    backbone = _bert_tiny()
+    inputs = {
+        key: keras.Input((SEQ,), dtype="int32", name=key)
+        for key in ("token_ids", "segment_ids", "padding_mask")
+    }
+    return keras.Model(inputs, backbone(inputs))
+
+
 def _vit_tiny():
     return _keras_hub().models.ViTBackbone(
         image_shape=(32, 32, 3),
@@ -267,6 +280,7 @@ APPLICATIONS = {
 }
 HUB = {
     "BertBackbone_tiny": (_bert_tiny, _token_batch),
+    "BertBackbone_tiny_seq16": (_bert_tiny_fixed, _token_batch),
     "ViTBackbone_tiny": (_vit_tiny, _images((32, 32, 3))),
     "ResNetBackbone_basic": (_resnet_basic, _images((32, 32, 3))),
 }
@@ -642,6 +656,22 @@ def _table(rows):
     return markdown_table(header, body)
 
 
+def _modelopt_versions(venv):
+    """The versions of ModelOpt and its stack in `venv`, or None."""
+    import subprocess
+
+    sys.path.insert(0, os.path.join(HERE, "peers"))
+    from modelopt_peer import VERSION_PROBE
+
+    python = os.path.join(venv, "bin", "python")
+    if not os.path.exists(python):
+        return None
+    probe = subprocess.run(
+        [python, "-c", VERSION_PROBE], capture_output=True, text=True
+    )
+    return probe.stdout.strip().rstrip(";") or None
+
+
 def _placement_summary(rows):
     """The coverage and economy goals over `rows`, in one paragraph."""
     measured = [r for r in rows if r.get("weighted_ops")]
@@ -790,12 +820,17 @@ def main():
                 flush=True,
             )
             keras.backend.clear_session()
+    tools = _modelopt_versions(args.modelopt) if args.modelopt else None
+    runs = []
     if args.modelopt_only or args.merge:
         import json
 
         path = os.path.join(RESULTS, "zoo.json")
         with open(path) as f:
-            earlier = {r["model"]: r for r in json.load(f)["rows"]}
+            last = json.load(f)
+        runs = last.get("earlier_runs", []) + [last["command"]]
+        tools = tools or last.get("modelopt_versions")
+        earlier = {r["model"]: r for r in last["rows"]}
         for row in rows:
             if args.modelopt_only:
                 keep = earlier.get(row["model"], row)
@@ -829,9 +864,20 @@ def main():
     placed = _placement_summary(rows)
     markdown += "\n\n" + PLACEMENT_INTRO + "\n\n" + placed + "\n\n"
     markdown += _placement_table(rows)
+    if tools:
+        markdown = f"ModelOpt environment: {tools}\n\n" + markdown
+    if runs:
+        merged = ", ".join(f"`{run}`" for run in runs)
+        markdown = f"Rows merged into those of {merged}.\n\n" + markdown
     write_results(
         "zoo",
-        {"summary": summary, "placement_summary": placed, "rows": rows},
+        {
+            "summary": summary,
+            "placement_summary": placed,
+            "rows": rows,
+            "earlier_runs": runs,
+            "modelopt_versions": tools,
+        },
         markdown,
     )
 
