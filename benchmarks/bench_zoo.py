@@ -84,11 +84,6 @@ CALIBRATION = 32
 # Issue 16's goal: this share of the weighted ops behind Q/DQ on every row.
 COVERAGE_GOAL = 0.95
 
-# Why a row has more Q/DQ nodes than ModelOpt, or less coverage, and why it
-# still runs at least as fast on TensorRT: model -> reason (sources in
-# docs/quantization.md).
-ECONOMY_NOTES = {}
-
 
 # keras-hub BERT-style encoder: vocabulary and sequence length.
 VOCAB = 100
@@ -681,8 +676,8 @@ def _placement_summary(rows):
     text = (
         f"Coverage goal (>= {100 * COVERAGE_GOAL:.0f}% of the weighted ops "
         "with a DequantizeLinear on both inputs, attention matmuls "
-        f"included): {len(covered)}/{len(rows)} models; over the zoo "
-        f"{quantized}/{ops} weighted ops."
+        f"included): {len(covered)}/{len(rows)} models; over the "
+        f"{len(measured)} INT8 exports, {quantized}/{ops} weighted ops."
     )
     compared = [r for r in rows if economy_verdict(r) is not None]
     if compared:
@@ -748,8 +743,6 @@ def _placement_table(rows):
                 else f"FAIL ({r['modelopt_violations']})"
             )
         verdict = economy_verdict(r) or "-"
-        if verdict != "met" and r["model"] in ECONOMY_NOTES:
-            verdict += f": {ECONOMY_NOTES[r['model']]}"
         body.append(
             [
                 r["model"],
