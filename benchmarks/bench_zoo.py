@@ -27,7 +27,13 @@ signal of a random MobileNet dies out to 1e-17), then:
   verdict, Q/DQ nodes, and the weighted ops (Conv, ConvTranspose, MatMul,
   Gemm) with DequantizeLinear on both inputs out of all of them. The INT8
   relative L2 is information only: a random-weight deep network amplifies
-  one-step rounding flips layer by layer (`docs/export.md`).
+  one-step rounding flips layer by layer (`docs/export.md`);
+- ModelOpt (`--modelopt [VENV]`): NVIDIA ModelOpt's ONNX PTQ (int8, max
+  calibration on the same 32 inputs) of the same float ONNX, in its own
+  venv, linted and counted like ours: Q/DQ nodes and coverage side by
+  side, and the economy goal (no more Q/DQ nodes than ModelOpt at equal or
+  better coverage). `--modelopt-only` runs that pass alone and merges it
+  into the last results; `--merge` merges any rows measured.
 
 keras-hub is optional here: without it, a run that includes its rows stops
 at once and says how to install it (`--only` runs the other rows).
@@ -37,6 +43,7 @@ run goes on. `tests/onnx/test_zoo.py` runs the same measurement: a fast
 subset in `make test`, the whole zoo marked slow.
 
     python benchmarks/bench_zoo.py [--quick] [--only NAME ...]
+        [--modelopt [VENV]] [--modelopt-only] [--merge]
 """
 
 import argparse
@@ -445,7 +452,7 @@ def measure_modelopt(float_path, x, venv, timeout=1800):
     if not os.path.exists(python):
         row["modelopt_error"] = (
             f"no ModelOpt environment at {venv}: build it with "
-            "`python benchmarks/bench_peers.py --setup`"
+            "python benchmarks/bench_peers.py --setup"
         )
         return row
     stem = os.path.splitext(float_path)[0]
@@ -828,7 +835,7 @@ def main():
             if args.modelopt_only:
                 keep = earlier.get(row["model"], row)
                 row = {
-                    **keep,
+                    **{k: v for k, v in keep.items() if "modelopt" not in k},
                     **{k: v for k, v in row.items() if "modelopt" in k},
                 }
             earlier[row["model"]] = row
