@@ -27,7 +27,13 @@ signal of a random MobileNet dies out to 1e-17), then:
   verdict, Q/DQ nodes, and the weighted ops (Conv, ConvTranspose, MatMul,
   Gemm) with DequantizeLinear on both inputs out of all of them. The INT8
   relative L2 is information only: a random-weight deep network amplifies
-  one-step rounding flips layer by layer (`docs/export.md`).
+  one-step rounding flips layer by layer (`docs/export.md`);
+- ModelOpt (`--modelopt [VENV]`): NVIDIA ModelOpt's ONNX PTQ (int8, max
+  calibration on the same 32 inputs) of the same float ONNX, in its own
+  venv, linted and counted like ours: Q/DQ nodes and coverage side by
+  side, and the economy goal (no more Q/DQ nodes than ModelOpt at equal or
+  better coverage). `--modelopt-only` runs that pass alone and merges it
+  into the last results; `--merge` merges any rows measured.
 
 keras-hub is optional here: without it, a run that includes its rows stops
 at once and says how to install it (`--only` runs the other rows).
@@ -37,6 +43,7 @@ run goes on. `tests/onnx/test_zoo.py` runs the same measurement: a fast
 subset in `make test`, the whole zoo marked slow.
 
     python benchmarks/bench_zoo.py [--quick] [--only NAME ...]
+        [--modelopt [VENV]] [--modelopt-only] [--merge]
 """
 
 import argparse
@@ -51,6 +58,10 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import keras_mp  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# Where `bench_peers.py --setup` builds ModelOpt's environment.
+MODELOPT_VENV = os.path.join(HERE, ".venv-modelopt")
 
 FLOAT_MAX_REL_L2 = 1e-4
 # ONNX Runtime float32 is as faithful as Keras float32 when its distance to
@@ -77,6 +88,8 @@ def float_parity_verdict(row):
 
 SAMPLES = 8
 CALIBRATION = 32
+# Issue 16's goal: this share of the weighted ops behind Q/DQ on every row.
+COVERAGE_GOAL = 0.95
 
 
 # keras-hub BERT-style encoder: vocabulary and sequence length.
@@ -91,7 +104,9 @@ INTRO = (
     "and keras-hub backbones built from a config: `BertBackbone` (2 layers, "
     "hidden 32, vocabulary 100; a dict of int32 `token_ids`, `segment_ids`, "
     "`padding_mask` of length 16 in, `sequence_output` and `pooled_output` "
-    "out), `ViTBackbone` (32x32, patch 8, 2 layers, hidden 32), "
+    "out; `_seq16`: the same backbone called on inputs of fixed length 16, "
+    "as a classifier feeds it), `ViTBackbone` (32x32, patch 8, 2 layers, "
+    "hidden 32), "
     "`ResNetBackbone` (basic blocks, stages of 64 and 128 filters). "
     "Float: `export_onnx` then `verify_onnx` on 8 random inputs (goal: "
     "relative L2 <= 1e-4, the worst output of several; beside it, Keras "
@@ -100,6 +115,20 @@ INTRO = (
     "further from float64 than 1.5x Keras float32). INT8: "
     "`quantize_model` + `calibrate` + `export_onnx` + `check_tensorrt`. "
     "`--quick` runs the fast subset of `tests/onnx/test_zoo.py`."
+)
+
+
+PLACEMENT_INTRO = (
+    "Q/DQ placement against NVIDIA ModelOpt: its ONNX PTQ "
+    "(`python -m modelopt.onnx.quantization --quantize_mode=int8 "
+    "--calibration_method=max --calibration_eps cpu --high_precision_dtype "
+    "fp32`) of the float ONNX keras_mp exported, calibrated on the same "
+    f"{CALIBRATION} inputs, linted and counted by `keras_mp.check_tensorrt` "
+    "like ours. Coverage: Conv, ConvTranspose, MatMul and Gemm nodes with a "
+    "DequantizeLinear on both inputs (attention matmuls count). Economy: no "
+    "more Q/DQ nodes than ModelOpt at equal or better coverage "
+    "(`--modelopt` runs this pass; `--modelopt-only --only NAME ...` reruns "
+    "it alone and merges into the last results)."
 )
 
 
@@ -177,6 +206,17 @@ def _bert_tiny():
     )
 
 
+def _bert_tiny_fixed():
+    # The same backbone with inputs of length `SEQ` (its own are (None,)),
+    # as a fixed-length classifier would feed it.
+    backbone = _bert_tiny()
+    inputs = {
+        key: keras.Input((SEQ,), dtype="int32", name=key)
+        for key in ("token_ids", "segment_ids", "padding_mask")
+    }
+    return keras.Model(inputs, backbone(inputs))
+
+
 def _vit_tiny():
     return _keras_hub().models.ViTBackbone(
         image_shape=(32, 32, 3),
@@ -242,6 +282,7 @@ APPLICATIONS = {
 }
 HUB = {
     "BertBackbone_tiny": (_bert_tiny, _token_batch),
+    "BertBackbone_tiny_seq16": (_bert_tiny_fixed, _token_batch),
     "ViTBackbone_tiny": (_vit_tiny, _images((32, 32, 3))),
     "ResNetBackbone_basic": (_resnet_basic, _images((32, 32, 3))),
 }
@@ -349,22 +390,110 @@ def _first_line(error):
     return f"{type(error).__name__}: {text[0] if text else ''}"
 
 
-def measure(name, directory):
+def placement(path):
+    """Q/DQ placement of an INT8 ONNX by `keras_mp.check_tensorrt`.
+
+    Returns:
+        dict: `lint_ok`, `violations`, `qdq_nodes`, `weighted_ops`,
+        `weighted_quantized` (Conv, ConvTranspose, MatMul, Gemm with a
+        DequantizeLinear on both inputs), `coverage`, and `left_float`: per
+        weighted op left without a DQ on both inputs, `"<op type> <node>"`.
+    """
+    import onnx
+
+    from keras_mp.onnx.graph import GraphIndex
+
+    report = keras_mp.check_tensorrt(path)
+    graph = GraphIndex(onnx.load(path))
+    return {
+        "lint_ok": report.ok,
+        "violations": len(report.violations),
+        "qdq_nodes": report.num_qdq,
+        "weighted_ops": report.weighted_ops,
+        "weighted_quantized": report.weighted_ops_quantized,
+        "coverage": report.weighted_ops_quantized / max(report.weighted_ops, 1),
+        "left_float": [
+            f"{op.op_type} {graph.name(op)}"
+            for op in graph.weighted
+            if not all(graph.quantized_inputs(op))
+        ],
+    }
+
+
+def _onnx_input_names(path):
+    import onnx
+
+    graph = onnx.load(path, load_external_data=False).graph
+    constants = {init.name for init in graph.initializer}
+    return [i.name for i in graph.input if i.name not in constants]
+
+
+def measure_modelopt(float_path, x, venv, timeout=1800):
+    """ModelOpt's ONNX PTQ (int8, max calibration on `x`) of the float ONNX
+    keras_mp exported, linted like ours.
+
+    Args:
+        float_path: str. The float ONNX; the calibration file, ModelOpt's
+            ONNX and its log go beside it.
+        x: array or dict of arrays by input name. The calibration inputs
+            keras_mp calibrated on.
+        venv: str. The ModelOpt venv (`bench_peers.py --setup` builds it).
+        timeout: float. Seconds before ModelOpt is stopped.
+
+    Returns:
+        dict of `modelopt_<key>` for each key of `placement`, plus
+        `modelopt_error` (None when it ran) and `modelopt_seconds`.
+    """
+    sys.path.insert(0, os.path.join(HERE, "peers"))
+    from modelopt_peer import run_modelopt
+
+    row = {"modelopt_error": None, "modelopt_seconds": None}
+    python = os.path.join(venv, "bin", "python")
+    if not os.path.exists(python):
+        row["modelopt_error"] = (
+            f"no ModelOpt environment at {venv}: build it with "
+            "python benchmarks/bench_peers.py --setup"
+        )
+        return row
+    stem = os.path.splitext(float_path)[0]
+    names = _onnx_input_names(float_path)
+    feed = dict(x) if isinstance(x, dict) else {names[0]: x}
+    np.savez(stem + "_calib.npz", **feed)
+    dst = stem + "_modelopt_max.onnx"
+    entry = run_modelopt(
+        python, float_path, stem + "_calib.npz", "max", dst, timeout
+    )
+    row["modelopt_seconds"] = entry["seconds"]
+    if not entry["ok"]:
+        lines = entry["error"].strip().splitlines() or [""]
+        row["modelopt_error"] = f"{entry['returncode']}: {lines[-1]}"
+        return row
+    row.update({f"modelopt_{k}": v for k, v in placement(dst).items()})
+    return row
+
+
+def measure(name, directory, modelopt_venv=None, int8=True):
     """Builds zoo model `name`, exports it float and INT8, and measures.
 
     Args:
         name: str. A key of `ZOO`.
         directory: str. Where the `.onnx` files go.
+        modelopt_venv: str or None. With a ModelOpt venv, ModelOpt's ONNX
+            PTQ of the same float ONNX is measured too (`measure_modelopt`).
+            Defaults to None (not run).
+        int8: bool. Measure keras_mp's INT8 export; False for a ModelOpt
+            pass alone. Defaults to True.
 
     Returns:
         dict: `source` (keras.applications or keras-hub), `params`;
         `float_error` (None when the float export and its parity check
         ran), `float_rel_l2`, `float_top1`, `float_seconds`;
         `int8_error`, `int8_lint_ok`, `int8_violations`, `qdq_nodes`,
-        `weighted_ops`, `weighted_quantized`, `coverage`, `int8_rel_l2`,
-        `int8_seconds`; `logits_rms`, the root mean square of the Keras
-        outputs (all of them) on the parity inputs (after
-        `refresh_batchnorm`).
+        `weighted_ops`, `weighted_quantized`, `coverage`, `left_float`,
+        `int8_rel_l2`, `int8_seconds`; the `modelopt_*` keys of
+        `measure_modelopt` with `modelopt_venv`; `logits_rms`, the root
+        mean square of the Keras outputs (all of them) on the parity
+        inputs (after `refresh_batchnorm`).
 
     Raises:
         ImportError: a keras-hub row without keras-hub installed.
@@ -413,8 +542,25 @@ def measure(name, directory):
     except Exception as error:  # a finding, recorded in the table
         row["float_error"] = _first_line(error)
 
-    path = os.path.join(directory, f"{name}_int8.onnx")
-    row.update(
+    if int8:
+        row.update(
+            _measure_int8(
+                model, x, x_test, os.path.join(directory, f"{name}_int8.onnx")
+            )
+        )
+    if modelopt_venv is not None:
+        float_path = os.path.join(directory, f"{name}_float.onnx")
+        if row["float_error"] is None:
+            row.update(measure_modelopt(float_path, x, modelopt_venv))
+        else:
+            row["modelopt_error"] = "no float ONNX"
+    return row
+
+
+def _measure_int8(model, x, x_test, path):
+    """keras_mp's INT8 stage of `measure`: quantize, calibrate on `x`,
+    export to `path`, lint, and ONNX Runtime on `x_test`."""
+    row = dict(
         int8_error=None,
         int8_lint_ok=None,
         int8_violations=None,
@@ -422,6 +568,7 @@ def measure(name, directory):
         weighted_ops=None,
         weighted_quantized=None,
         coverage=None,
+        left_float=None,
         int8_rel_l2=None,
     )
     try:
@@ -430,15 +577,11 @@ def measure(name, directory):
         start = time.perf_counter()
         keras_mp.export_onnx(qmodel, path, overwrite=True)
         row["int8_seconds"] = time.perf_counter() - start
-        report = keras_mp.check_tensorrt(path)
+        found = placement(path)
         row.update(
-            int8_lint_ok=report.ok,
-            int8_violations=len(report.violations),
-            qdq_nodes=report.num_qdq,
-            weighted_ops=report.weighted_ops,
-            weighted_quantized=report.weighted_ops_quantized,
-            coverage=report.weighted_ops_quantized
-            / max(report.weighted_ops, 1),
+            int8_lint_ok=found.pop("lint_ok"),
+            int8_violations=found.pop("violations"),
+            **found,
         )
         parity = keras_mp.verify_onnx(
             qmodel, path, x_test, min_top1_agreement=0.0, max_rel_l2=1e9
@@ -515,14 +658,144 @@ def _table(rows):
     return markdown_table(header, body)
 
 
+def _modelopt_versions(venv):
+    """The versions of ModelOpt and its stack in `venv`, or None."""
+    import subprocess
+
+    sys.path.insert(0, os.path.join(HERE, "peers"))
+    from modelopt_peer import VERSION_PROBE
+
+    python = os.path.join(venv, "bin", "python")
+    if not os.path.exists(python):
+        return None
+    probe = subprocess.run(
+        [python, "-c", VERSION_PROBE], capture_output=True, text=True
+    )
+    return probe.stdout.strip().rstrip(";") or None
+
+
+def _placement_summary(rows):
+    """The coverage and economy goals over `rows`, in one paragraph."""
+    measured = [r for r in rows if r.get("weighted_ops")]
+    covered = [r for r in measured if r["coverage"] >= COVERAGE_GOAL]
+    ops = sum(r["weighted_ops"] for r in measured)
+    quantized = sum(r["weighted_quantized"] for r in measured)
+    text = (
+        f"Coverage goal (>= {100 * COVERAGE_GOAL:.0f}% of the weighted ops "
+        "with a DequantizeLinear on both inputs, attention matmuls "
+        f"included): {len(covered)}/{len(rows)} models; over the "
+        f"{len(measured)} INT8 exports, {quantized}/{ops} weighted ops."
+    )
+    compared = [r for r in rows if economy_verdict(r) is not None]
+    if compared:
+        met = [r for r in compared if economy_verdict(r) == "met"]
+        ours = sum(r["qdq_nodes"] for r in compared)
+        theirs = sum(r["modelopt_qdq_nodes"] for r in compared)
+        text += (
+            f" Against ModelOpt on the same float ONNX: no more Q/DQ nodes at "
+            f"equal or better coverage on {len(met)}/{len(compared)} models "
+            f"({ours} Q/DQ nodes in all vs ModelOpt's {theirs})."
+        )
+    return text
+
+
+def economy_verdict(row):
+    """Whether keras_mp's INT8 ONNX of a zoo row is at least as economical
+    as ModelOpt's: no more Q/DQ nodes at equal or better coverage ("met"),
+    "more Q/DQ", "less coverage", or None when either side did not run."""
+    if row.get("qdq_nodes") is None or row.get("modelopt_qdq_nodes") is None:
+        return None
+    if row["coverage"] < row["modelopt_coverage"]:
+        return "less coverage"
+    if row["qdq_nodes"] > row["modelopt_qdq_nodes"]:
+        return "more Q/DQ"
+    return "met"
+
+
+def _left_float(names):
+    """`["MatMul a", "MatMul b", "Conv c"]` -> "2 MatMul, 1 Conv"."""
+    if names is None:
+        return "-"
+    if not names:
+        return "none"
+    counts = {}
+    for name in names:
+        op = name.split(" ")[0]
+        counts[op] = counts.get(op, 0) + 1
+    return ", ".join(f"{n} {op}" for op, n in counts.items())
+
+
+def _placement_table(rows):
+    from _common import markdown_table
+
+    header = [
+        "model",
+        "Q/DQ nodes: keras_mp / ModelOpt",
+        "coverage %: keras_mp / ModelOpt",
+        "weighted ops left float: keras_mp / ModelOpt",
+        "ModelOpt lint",
+        "economy",
+    ]
+    body = []
+    for r in rows:
+        coverage = r.get("coverage")
+        theirs = r.get("modelopt_coverage")
+        lint = "-"
+        if r.get("modelopt_error"):
+            lint = f"error: `{r['modelopt_error']}`"
+        elif r.get("modelopt_lint_ok") is not None:
+            lint = (
+                "PASS"
+                if r["modelopt_lint_ok"]
+                else f"FAIL ({r['modelopt_violations']})"
+            )
+        verdict = economy_verdict(r) or "-"
+        body.append(
+            [
+                r["model"],
+                f"{_fmt(r.get('qdq_nodes'), 'd')} / "
+                f"{_fmt(r.get('modelopt_qdq_nodes'), 'd')}",
+                f"{_fmt(coverage and 100 * coverage, '.1f')} / "
+                f"{_fmt(theirs and 100 * theirs, '.1f')}",
+                f"{_left_float(r.get('left_float'))} / "
+                f"{_left_float(r.get('modelopt_left_float'))}",
+                lint,
+                verdict,
+            ]
+        )
+    return markdown_table(header, body)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fast subset")
     parser.add_argument("--only", nargs="+", choices=sorted(ZOO))
+    parser.add_argument(
+        "--modelopt",
+        nargs="?",
+        const=MODELOPT_VENV,
+        metavar="VENV",
+        help="also run ModelOpt's ONNX PTQ on each float ONNX, from this "
+        f"venv (default {os.path.relpath(MODELOPT_VENV)})",
+    )
+    parser.add_argument(
+        "--modelopt-only",
+        action="store_true",
+        help="the ModelOpt pass alone (float export + ModelOpt), merged "
+        "into the rows of the last full run",
+    )
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="merge the rows measured into results/zoo.json instead of "
+        "replacing it",
+    )
     args = parser.parse_args()
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from _common import write_results
+    sys.path.insert(0, HERE)
+    from _common import RESULTS, write_results
 
+    if args.modelopt_only and args.modelopt is None:
+        args.modelopt = MODELOPT_VENV
     names = args.only or (QUICK if args.quick else list(ZOO))
     hub_rows = [name for name in names if name in HUB]
     if hub_rows:
@@ -534,12 +807,39 @@ def main():
     with tempfile.TemporaryDirectory() as directory:
         for name in names:
             start = time.perf_counter()
-            rows.append(measure(name, directory))
+            rows.append(
+                measure(
+                    name,
+                    directory,
+                    modelopt_venv=args.modelopt,
+                    int8=not args.modelopt_only,
+                )
+            )
             print(
                 f"{name}: {time.perf_counter() - start:.0f} s {rows[-1]}",
                 flush=True,
             )
             keras.backend.clear_session()
+    tools = _modelopt_versions(args.modelopt) if args.modelopt else None
+    runs = []
+    if args.modelopt_only or args.merge:
+        import json
+
+        path = os.path.join(RESULTS, "zoo.json")
+        with open(path) as f:
+            last = json.load(f)
+        runs = last.get("earlier_runs", []) + [last["command"]]
+        tools = tools or last.get("modelopt_versions")
+        earlier = {r["model"]: r for r in last["rows"]}
+        for row in rows:
+            if args.modelopt_only:
+                keep = earlier.get(row["model"], row)
+                row = {
+                    **{k: v for k, v in keep.items() if "modelopt" not in k},
+                    **{k: v for k, v in row.items() if "modelopt" in k},
+                }
+            earlier[row["model"]] = row
+        rows = [earlier[name] for name in ZOO if name in earlier]
     float_ok = sum(float_parity_verdict(r) == "ok" for r in rows)
     float_noise = sum(
         float_parity_verdict(r) == "ok (float32 noise)" for r in rows
@@ -561,7 +861,25 @@ def main():
         f"information: random deep networks amplify one-step rounding flips."
     )
     markdown = INTRO + "\n\n" + summary + "\n\n" + _table(rows)
-    write_results("zoo", {"summary": summary, "rows": rows}, markdown)
+    placed = _placement_summary(rows)
+    markdown += "\n\n" + PLACEMENT_INTRO + "\n\n" + placed + "\n\n"
+    markdown += _placement_table(rows)
+    if tools:
+        markdown = f"ModelOpt environment: {tools}\n\n" + markdown
+    if runs:
+        merged = ", ".join(f"`{run}`" for run in runs)
+        markdown = f"Rows merged into those of {merged}.\n\n" + markdown
+    write_results(
+        "zoo",
+        {
+            "summary": summary,
+            "placement_summary": placed,
+            "rows": rows,
+            "earlier_runs": runs,
+            "modelopt_versions": tools,
+        },
+        markdown,
+    )
 
 
 if __name__ == "__main__":

@@ -139,6 +139,10 @@ _POOL = LayerRow(quantizable=True, permute=CHANNELWISE)
 _ATTENTION = LayerRow(
     inputs=ALL_INPUTS, quantizable=True, weighted=True, attention=True
 )
+# TensorRT moves the next weighted layer's input Q backwards across a
+# Concatenate into its producers; Q/DQ on its own inputs only add
+# requantizations: off by default, as for pooling.
+_CONCAT = LayerRow(quantizable=True)
 _CHANNEL_WISE = LayerRow(permute=CHANNELWISE)
 _FLOAT32 = LayerRow(float32=True)
 
@@ -192,7 +196,7 @@ TABLE = {
     L.EinsumDense: _einsum_row,
     L.MultiHeadAttention: _ATTENTION,
     L.Add: LayerRow(inputs=SKIP_INPUTS, quantizable=True),
-    L.Concatenate: LayerRow(inputs=ALL_INPUTS, quantizable=True),
+    L.Concatenate: _CONCAT,
     L.MaxPooling2D: _POOL,
     L.AveragePooling2D: _POOL,
     L.GlobalAveragePooling2D: _POOL,

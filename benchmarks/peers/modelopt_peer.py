@@ -42,6 +42,65 @@ for p in ("nvidia-modelopt", "torch", "onnx", "onnxruntime-gpu", "onnxruntime"):
 """
 
 
+def run_modelopt(python, onnx_path, calib_path, method, dst, timeout):
+    """Runs ModelOpt's ONNX PTQ (int8) on `onnx_path` in its own venv.
+
+    Args:
+        python: str. The ModelOpt venv's Python.
+        onnx_path: str. The float ONNX.
+        calib_path: str. An `.npz` of calibration inputs keyed by the ONNX
+            input names.
+        method: str. `"entropy"` or `"max"`.
+        dst: str. Where the quantized ONNX goes; its log goes beside it
+            (`.log` for `.onnx`).
+        timeout: float. Seconds before the run is stopped.
+
+    Returns:
+        dict: `command`, `seconds`, `ok`; with `onnx` (the file name) and
+        `modelopt_says` (its count of quantized nodes) when it ran, else
+        `returncode` and `error` (the last lines of its log).
+    """
+    if os.path.exists(dst):
+        os.remove(dst)
+    cmd = [
+        python,
+        "-m",
+        "modelopt.onnx.quantization",
+        f"--onnx_path={onnx_path}",
+        "--quantize_mode=int8",
+        f"--calibration_data_path={calib_path}",
+        f"--calibration_method={method}",
+        "--calibration_eps",
+        "cpu",
+        "--high_precision_dtype",
+        "fp32",
+        f"--output_path={dst}",
+    ]
+    start = time.perf_counter()
+    try:
+        run = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout
+        )
+        rc, log = run.returncode, run.stdout + run.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, log = "timeout", f"timed out after {timeout} s: {e}"
+    with open(os.path.splitext(dst)[0] + ".log", "w") as f:
+        f.write(log)
+    entry = {
+        "command": "python " + " ".join(cmd[1:]),
+        "seconds": round(time.perf_counter() - start, 1),
+    }
+    if rc == 0 and os.path.exists(dst):
+        entry.update(ok=True, onnx=os.path.basename(dst))
+        lines = [ln for ln in log.splitlines() if "quantized nodes" in ln]
+        if lines:
+            entry["modelopt_says"] = lines[-1].split(" - ")[-1]
+    else:
+        tail = [ln for ln in log.strip().splitlines() if ln.strip()][-15:]
+        entry.update(ok=False, returncode=rc, error="\n".join(tail))
+    return entry
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--workdir", required=True)
@@ -68,45 +127,15 @@ def main():
     methods = {}
     for method in METHODS:
         dst = os.path.join(w, f"modelopt_{method}.onnx")
-        if os.path.exists(dst):
-            os.remove(dst)
-        cmd = [
+        entry = run_modelopt(
             python,
-            "-m",
-            "modelopt.onnx.quantization",
-            f"--onnx_path={os.path.join(w, 'float.onnx')}",
-            "--quantize_mode=int8",
-            f"--calibration_data_path={calib}",
-            f"--calibration_method={method}",
-            "--calibration_eps",
-            "cpu",
-            "--high_precision_dtype",
-            "fp32",
-            f"--output_path={dst}",
-        ]
-        start = time.perf_counter()
-        try:
-            run = subprocess.run(
-                cmd, capture_output=True, text=True, timeout=a.timeout
-            )
-            rc, log = run.returncode, run.stdout + run.stderr
-        except subprocess.TimeoutExpired as e:
-            rc, log = "timeout", f"timed out after {a.timeout} s: {e}"
-        with open(os.path.join(w, f"modelopt_{method}.log"), "w") as f:
-            f.write(log)
-        entry = {
-            "command": "python "
-            + " ".join(c.replace(w + os.sep, "") for c in cmd[1:]),
-            "seconds": round(time.perf_counter() - start, 1),
-        }
-        if rc == 0 and os.path.exists(dst):
-            entry.update(ok=True, onnx=os.path.basename(dst))
-            lines = [ln for ln in log.splitlines() if "quantized nodes" in ln]
-            if lines:
-                entry["modelopt_says"] = lines[-1].split(" - ")[-1]
-        else:
-            tail = [ln for ln in log.strip().splitlines() if ln.strip()][-15:]
-            entry.update(ok=False, returncode=rc, error="\n".join(tail))
+            os.path.join(w, "float.onnx"),
+            calib,
+            method,
+            dst,
+            a.timeout,
+        )
+        entry["command"] = entry["command"].replace(w + os.sep, "")
         methods[method] = entry
         print(method, entry)
     out["methods"] = methods

@@ -180,8 +180,8 @@ class QuantizeWrapper(keras.layers.Wrapper):
             `keras_mp.layer_table` (`layer_table.quantizable_names()`).
         config: `QuantizeConfig`. Defaults to `QuantizeConfig()`.
         input_indices: list of int. Which inputs get a Q/DQ; defaults to the
-            table row (all inputs of weighted layers and Concatenate, none for
-            pooling). `quantize_apply` resolves the residual-Add rule here.
+            table row (all inputs of weighted layers, none for pooling and
+            Concatenate). `quantize_apply` resolves the residual-Add rule here.
         pointwise_input: bool or None. For a separable convolution, a Q/DQ
             on the pointwise input (the depthwise output); None follows the
             table row. Files saved before it existed load without it.

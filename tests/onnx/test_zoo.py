@@ -8,9 +8,21 @@ writes the table in `docs/benchmarks.md`; a fast subset runs in
 keras-hub: without it they fail with the install command.
 """
 
+import keras
+import numpy as np
+import onnx
 import pytest
 
-from benchmarks.bench_zoo import QUICK, ZOO, float_parity_verdict, measure
+import keras_mp
+from benchmarks.bench_zoo import (
+    QUICK,
+    ZOO,
+    float_parity_verdict,
+    measure,
+    placement,
+)
+
+L = keras.layers
 
 # Findings of the zoo run (benchmarks/results/zoo.md): model -> reason.
 # None since issue 16 quantizes separable pointwise inputs.
@@ -82,3 +94,37 @@ def test_zoo_fast_subset_int8_export(name, measured):
 )
 def test_zoo_exports(name, tmp_path):
     _check(measure(name, str(tmp_path)))
+
+
+def _concat_blocks():
+    """DenseNet's concat -> BatchNorm -> ReLU -> conv, twice, then
+    Inception's convs -> concat -> conv."""
+    inputs = keras.Input((8, 8, 8))
+    x = inputs
+    for _ in range(2):
+        h = L.ReLU()(L.BatchNormalization()(x))
+        x = L.Concatenate()([x, L.Conv2D(4, 3, padding="same")(h)])
+    a = L.Conv2D(4, 1)(x)
+    b = L.Conv2D(4, 3, padding="same")(x)
+    x = L.Concatenate()([a, b])
+    return keras.Model(inputs, L.Conv2D(8, 1)(x))
+
+
+def test_concatenate_inputs_get_no_qdq_and_every_conv_stays_int8(tmp_path):
+    # TensorRT moves each conv's input Q backwards across the concat; a
+    # Q/DQ on a concat input would only requantize (issue 16, item 9).
+    model = _concat_blocks()
+    x = np.random.default_rng(0).random((16, 8, 8, 8), dtype=np.float32)
+    qmodel = keras_mp.quantize_model(model)
+    keras_mp.calibrate(qmodel, x, verbose=0)
+    path = str(tmp_path / "blocks.onnx")
+    keras_mp.export_onnx(qmodel, path, verify_data=x)
+    found = placement(path)
+    assert found["lint_ok"], found
+    assert found["weighted_quantized"] == found["weighted_ops"] == 5
+    graph = onnx.load(path).graph
+    producers = {o: n.op_type for n in graph.node for o in n.output}
+    concats = [n for n in graph.node if n.op_type == "Concat"]
+    assert len(concats) == 3
+    for node in concats:
+        assert "DequantizeLinear" not in [producers.get(i) for i in node.input]

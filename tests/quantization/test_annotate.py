@@ -40,12 +40,23 @@ def test_residual_add_quantizes_only_the_skip_input():
     qmodel = keras_mp.quantize_model(reference_cnn(width=8))
     add = qmodel.get_layer("quant_res_add")
     assert add.input_indices == [0]  # input 1 comes from conv -> BN: fused
+
+
+def test_concatenate_leaves_its_inputs_to_the_consumer_unless_asked():
+    # TensorRT moves the consumer's input Q backwards across the concat
+    # into both convs: Q/DQ on the concat inputs would only requantize.
     concat_in = keras.Input((4, 4, 8))
-    a = L.Conv2D(8, 1)(concat_in)
-    b = L.Conv2D(8, 1)(concat_in)
-    cat = keras.Model(concat_in, L.Concatenate()([a, b]))
+    a = L.Conv2D(8, 1, name="a")(concat_in)
+    b = L.Conv2D(8, 1, name="b")(concat_in)
+    x = L.Concatenate(name="cat")([a, b])
+    cat = keras.Model(concat_in, L.Conv2D(4, 1, name="head")(x))
     qcat = keras_mp.quantize_model(cat)
-    assert qcat.layers[-1].input_indices == [0, 1]
+    assert "cat" in [layer.name for layer in qcat.layers]  # not wrapped
+    assert qcat.get_layer("quant_head").input_indices == [0]
+    asked = keras_mp.quantize_model(
+        cat, config={"cat": keras_mp.QuantizeConfig(quantize_inputs=True)}
+    )
+    assert asked.get_layer("quant_cat").input_indices == [0, 1]
 
 
 def test_selection_and_config():
