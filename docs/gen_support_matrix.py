@@ -42,7 +42,7 @@ INPUTS = {
     layer_table.SKIP_INPUTS: "the skip input of a residual Add (the input "
     "not fused with a preceding conv)",
     layer_table.NO_INPUTS: "none by default; `QuantizeConfig("
-    "quantize_inputs=True)` adds one",
+    "quantize_inputs=True)` adds one on each input",
 }
 PERMUTE = {
     layer_table.GEMM: "input and output channels",
