@@ -13,11 +13,11 @@ float32 control given the same extra epoch, ONNX parity and coverage
   percentile-calibrated model fine-tuned one epoch with
   `keras_mp.reference.fine_tune` (Adam, cosine-decayed from 1e-4), and the
   float32 control: the float model fine-tuned the same epoch the same way;
-- each model is exported with `export_onnx` (lint-checked, verified on
-  1,000 test images) and linted with `check_tensorrt`; coverage: weighted
+- each model is exported with `export_onnx` (which refuses a TensorRT
+  contract violation) and linted with `check_tensorrt`; coverage: weighted
   ops (Conv, MatMul, Gemm) with DequantizeLinear on both inputs, and the
   attention matmuls among them (a MatMul of two run-time tensors:
-  Q x K and softmax x V; `demo_vit.matmul_coverage`); parity: all test
+  Q x K and softmax x V; `demo_vit.attention_coverage`); parity: all test
   images through ONNX Runtime with graph optimizations off, top-1
   agreement with Keras and ORT's own test top-1;
 - goals (each seed, PASS or FAIL as measured): QAT >= control - 0.3

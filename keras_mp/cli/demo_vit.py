@@ -16,6 +16,7 @@ import numpy as np
 from keras_mp import datasets
 from keras_mp._compat import optional_import
 from keras_mp.onnx import check_tensorrt, export_onnx
+from keras_mp.onnx.graph import GraphIndex
 from keras_mp.onnx.parity import ort_session, run_session
 from keras_mp.quantization import calibrate, quantize_model
 from keras_mp.reference import QAT_CALIBRATOR, compile_classifier, fine_tune
@@ -82,20 +83,17 @@ def vit_classifier(input_shape=(28, 28, 1), num_classes=10):
     return keras.Model(inputs, logits, name="vit")
 
 
-def matmul_coverage(path):
-    """The weighted ops of an ONNX file and its attention matmuls, each with
-    how many have a DequantizeLinear on both inputs.
+def attention_coverage(path):
+    """The attention matmuls of an ONNX file: how many, and how many have a
+    DequantizeLinear on both inputs.
 
     An attention matmul is a MatMul whose two inputs are both computed at
     run time (Q x K^T and softmax x V); every other weighted op has a
     constant weight.
 
     Returns:
-        dict: `weighted_ops`, `weighted_quantized`, `attention_matmuls`,
-        `attention_quantized`.
+        dict: `attention_matmuls`, `attention_quantized`.
     """
-    from keras_mp.onnx.graph import GraphIndex
-
     graph = GraphIndex(optional_import("onnx").load(path))
     attention = [
         op
@@ -104,10 +102,6 @@ def matmul_coverage(path):
         and all(graph.trace(t).name is None for t in op.input[:2])
     ]
     return {
-        "weighted_ops": len(graph.weighted),
-        "weighted_quantized": sum(
-            all(graph.quantized_inputs(op)) for op in graph.weighted
-        ),
         "attention_matmuls": len(attention),
         "attention_quantized": sum(
             all(graph.quantized_inputs(op)) for op in attention
@@ -115,14 +109,17 @@ def matmul_coverage(path):
     }
 
 
-def onnx_row(model, path, xt, yt, probe, latency_repeats=(20, 5)):
+def onnx_row(model, path, xt, yt, latency_repeats=(20, 5)):
     """Test top-1, then (with a `path`) export, lint, coverage and ONNX
     Runtime parity of one model.
 
     Parity: ONNX Runtime with graph optimizations off on every test image,
-    its top-1 agreement with Keras and its own test top-1 (`export_onnx`
-    verifies on `probe` first, with its default tolerances). Latency: ORT's
-    default optimizations, median over `latency_repeats` (batch 1, 64).
+    its top-1 agreement with Keras and its own test top-1, recorded for the
+    caller to judge (`export_onnx`'s own check, 99.9% agreement on a
+    probe, is stricter than the 99.5% goal of trained INT8 networks that
+    `bench_trained_parity.py` measures against float32's noise floor).
+    Latency: ORT's default optimizations, median over `latency_repeats`
+    (batch 1, 64) on the first test images.
     """
     compile_classifier(model)
     keras_logits = model.predict(xt, batch_size=500, verbose=0)
@@ -130,7 +127,7 @@ def onnx_row(model, path, xt, yt, probe, latency_repeats=(20, 5)):
     row = {"test_top1": round(100 * float(np.mean(keras_top1 == yt)), 2)}
     if path is None:
         return row
-    export_onnx(model, path, verify_data=probe, overwrite=True)
+    export_onnx(model, path, overwrite=True)
     lint = check_tensorrt(path)
     (ort_logits,) = run_session(ort_session(path, optimized=False), [xt])
     ort_top1 = ort_logits.argmax(-1)
@@ -140,7 +137,7 @@ def onnx_row(model, path, xt, yt, probe, latency_repeats=(20, 5)):
         times = []
         for _ in range(repeats):
             start = time.perf_counter()
-            run_session(session, [probe[:batch]])
+            run_session(session, [xt[:batch]])
             times.append(time.perf_counter() - start)
         latency.append(1000 * float(np.median(times)))
     return {
@@ -148,7 +145,9 @@ def onnx_row(model, path, xt, yt, probe, latency_repeats=(20, 5)):
         "onnx": os.path.basename(path),
         "tensorrt_lint": "clean" if lint.ok else "violations",
         "qdq_nodes": lint.num_qdq,
-        **matmul_coverage(path),
+        "weighted_ops": lint.weighted_ops,
+        "weighted_quantized": lint.weighted_ops_quantized,
+        **attention_coverage(path),
         "ort_test_top1": round(100 * float(np.mean(ort_top1 == yt)), 2),
         "parity_top1_agreement": round(
             100 * float(np.mean(ort_top1 == keras_top1)), 2
@@ -232,15 +231,13 @@ def run_vit(
             control, x, y, qat_epochs, seed=seed, verbose=2
         )
         results["control_seconds"] = round(time.perf_counter() - start, 1)
-    probe = xt[:1000]
     results["methods"] = {}
     for label, m in models.items():
+        print(f"ViT {label}: export, lint, ONNX Runtime on {len(xt)} images")
         path = os.path.join(output, f"vit_{label}.onnx")
         if label.startswith("float32") and not export_float:
             path = None
-        results["methods"][label] = onnx_row(
-            m, path, xt, yt, probe, latency_repeats
-        )
+        results["methods"][label] = onnx_row(m, path, xt, yt, latency_repeats)
     return results
 
 
