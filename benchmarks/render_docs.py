@@ -22,6 +22,7 @@ SECTIONS = [
     ("muppet", "MuPPET"),
     ("zoo", "Model zoo (issue 15)"),
     ("trained_parity", "INT8 parity on trained networks (issue 15)"),
+    ("vit", "ViT on Fashion-MNIST (issue 16)"),
 ]
 
 

@@ -2,7 +2,8 @@
 
 float training (under the policy this machine gains from) -> PTQ with each
 calibrator -> QAT -> 2:4 sparse fine-tune + QAT -> export each to Q/DQ ONNX
--> TensorRT lint -> ONNX Runtime parity and CPU latency -> report folder.
+-> TensorRT lint -> ONNX Runtime parity and CPU latency -> report folder;
+then the same for a small keras-hub ViT (`demo_vit.py`).
 """
 
 import os
@@ -12,7 +13,9 @@ import keras
 import numpy as np
 
 from keras_mp import datasets
+from keras_mp.cli.demo_vit import demo_vit, report_section
 from keras_mp.cli.report import plot_results, write_report
+from keras_mp.io import atomic_write_text
 from keras_mp.mixed_precision import (
     LossScaleMonitor,
     LossScaleOptimizer,
@@ -248,11 +251,17 @@ def run_demo(output="demo-report", quick=False, overwrite=False):
         }
         for r in sparsity.rows
     ]
+    results["vit"] = demo_vit(x, y, xt, yt, output, quick)
     plots = plot_results(results, sparsity, scale_history, output)
     results["plots"] = plots
     write_report(
         output, results, audit, epochs, qat_epochs, TRAIN_LEARNING_RATE
     )
+    section = "\n".join(report_section(results["vit"]))
+    report = os.path.join(output, "report.md")
+    with open(report) as f:
+        atomic_write_text(report, f.read() + "\n" + section)
+    print(section)
     return results
 
 

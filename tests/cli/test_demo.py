@@ -8,7 +8,7 @@ import pytest
 
 import keras_mp
 from keras_mp import cli
-from keras_mp.cli import demo
+from keras_mp.cli import demo, demo_vit
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +51,33 @@ def test_report_covers_every_method(quick_report):
     if "loss_scale_probe" in results:
         steps = demo.QUICK_PROBE_STEPS
         assert f"Dynamic loss scaling ({steps} mixed_float16 steps" in report
+
+
+def test_vit_row(quick_report):
+    """The quick ViT row: a trained keras-hub ViT quantized in place, every
+    weighted op and all four attention matmuls (2 layers: Q x K and
+    softmax x V) behind Q/DQ, lint-clean, ONNX Runtime agreeing with Keras
+    on the test images; without keras-hub the report says how to get it."""
+    results = json.loads((quick_report / "results.json").read_text())
+    report = (quick_report / "report.md").read_text()
+    vit = results["vit"]
+    if demo_vit.keras_hub_or_none() is None:
+        assert vit == {"skipped": demo_vit.INSTALL_HINT}
+        assert demo_vit.INSTALL_HINT in report
+        return
+    assert set(vit["methods"]) == {"float32", "ptq_percentile"}
+    assert vit["train_images"] == demo_vit.QUICK_TRAIN_IMAGES
+    fp, ptq = vit["methods"]["float32"], vit["methods"]["ptq_percentile"]
+    assert fp["test_top1"] > 40  # trained well past chance (10%)
+    assert ptq["test_top1"] >= fp["test_top1"] - 2.0
+    assert ptq["tensorrt_lint"] == "clean" and ptq["qdq_nodes"] > 0
+    # patch conv + 2 x (Q, K, V, output, 2 MLP) + head, and 2 x 2 matmuls
+    assert ptq["weighted_ops"] == ptq["weighted_quantized"] == 18
+    assert ptq["attention_matmuls"] == ptq["attention_quantized"] == 4
+    assert ptq["parity_top1_agreement"] >= 99.5
+    assert abs(ptq["ort_test_top1"] - ptq["test_top1"]) <= 0.5
+    assert (quick_report / "vit_ptq_percentile.onnx").stat().st_size > 1000
+    assert "| vit_ptq_percentile |" in report and "18 / 18 | 4 / 4" in report
 
 
 def test_loss_scale_probe_is_consistent(quick_report):
