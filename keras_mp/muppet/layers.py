@@ -196,7 +196,7 @@ class FixedPointWrapper(_RandomStateMixin, keras.layers.Wrapper):
         self._build_seed_stream()
         self.built = True
 
-    def call(self, inputs, training=None, mask=None):
+    def call(self, inputs, training=None, mask=None, **kwargs):
         word_length = ops.convert_to_tensor(self.word_length)
         weights = [
             fixed_point_ste(
@@ -211,7 +211,8 @@ class FixedPointWrapper(_RandomStateMixin, keras.layers.Wrapper):
             )
         ]
         state = [v.value for v in self.layer.non_trainable_variables]
-        kwargs = {"training": training} if self._pass_training else {}
+        if self._pass_training:
+            kwargs["training"] = training
         if self._pass_mask and mask is not None:
             kwargs["mask"] = mask
         outputs, new_state = self.layer.stateless_call(
@@ -230,8 +231,8 @@ class FixedPointWrapper(_RandomStateMixin, keras.layers.Wrapper):
     def compute_output_shape(self, input_shape):
         return self.layer.compute_output_shape(input_shape)
 
-    def compute_output_spec(self, inputs, training=None, mask=None):
-        return self.layer.compute_output_spec(inputs)
+    def compute_output_spec(self, inputs, training=None, mask=None, **kwargs):
+        return self.layer.compute_output_spec(inputs, **kwargs)
 
     def compute_mask(self, inputs, mask=None):
         return self.layer.compute_mask(inputs, mask)
