@@ -30,7 +30,11 @@ class StructuredSparsity(keras.callbacks.Callback):
     inside the compiled train step (also with `steps_per_execution > 1`,
     XLA and `tf.distribute`). The masks are saved with the model and stay
     on after `fit`: call `strip_sparsity` to export. How and when the masks
-    are made: `docs/sparsity.md`.
+    are made: `docs/sparsity.md`. Layers inside custom layers, subclassed
+    models and keras-hub backbones are pruned too; a `.keras` file cannot
+    keep their masks (their parent's code rebuilds them), which a warning
+    says when the masks are attached: prune the reloaded model again with
+    the same settings and it gets the same masks from the zeros.
 
     Layers that cannot be pruned are skipped and listed in `self.report`
     (a `SparsityReport`): input channels not a multiple of `n` (this
