@@ -19,6 +19,11 @@ Usage:
 
     python benchmarks/bench_muppet.py            # full run, ~10 min on 2 cores
     python benchmarks/bench_muppet.py --quick    # smoke run, ~1 min
+    python benchmarks/bench_muppet.py --model mobilenetv2   # ~15 min
+
+`--model mobilenetv2` runs `keras.applications.MobileNetV2` (alpha 0.35,
+32x32 padded images) in float32 and with adaptive switching only, and
+writes its own part of the results, keeping the CNN's.
 """
 
 import argparse
@@ -65,6 +70,40 @@ def cnn():
     )
 
 
+# BatchNormalization momentum for the applications model: with
+# keras.applications' own 0.999 the moving statistics of a net trained
+# briefly from scratch stay near their initial values (chance accuracy at
+# test time; measured in bench_trained_parity.py).
+BN_MOMENTUM = 0.9
+APPLICATIONS = {"mobilenetv2": "MobileNetV2_0.35"}
+
+
+def mobilenetv2():
+    model = keras.applications.MobileNetV2(
+        input_shape=(32, 32, 1),
+        alpha=0.35,
+        weights=None,
+        classes=10,
+        classifier_activation=None,
+    )
+    for layer in model.layers:
+        if isinstance(layer, keras.layers.BatchNormalization):
+            layer.momentum = BN_MOMENTUM
+    return model
+
+
+def load_data(args):
+    """Fashion-MNIST for `args.model`: 28x28, or zero-padded to 32x32
+    (the smallest input MobileNetV2 takes) for the applications model."""
+    (x, y), (xt, yt) = load_fashion_mnist()
+    if args.quick:
+        xt, yt = xt[:2000], yt[:2000]
+    if args.model != "cnn":
+        pad = ((0, 0), (2, 2), (2, 2), (0, 0))
+        x, xt = np.pad(x, pad), np.pad(xt, pad)
+    return (x, y), (xt, yt)
+
+
 def compile_model(model, lr):
     model.compile(
         keras.optimizers.Adam(lr),
@@ -100,10 +139,8 @@ def fixed_schedule(epochs, stages):
 
 def run(args):
     keras.utils.set_random_seed(args.seed)
-    (x, y), (xt, yt) = load_fashion_mnist()
-    if args.quick:
-        xt, yt = xt[:2000], yt[:2000]
-    base = cnn()
+    (x, y), (xt, yt) = load_data(args)
+    base = cnn() if args.model == "cnn" else mobilenetv2()
     runs = {
         "float32": {"model": keras.models.clone_model(base)},
         "muppet": {
@@ -117,9 +154,12 @@ def run(args):
             )
         },
     }
+    if args.model != "cnn":
+        # One fixed-point run: the MobileNetV2 copy takes minutes to trace.
+        del runs["fixed_schedule"]
     runs["float32"]["model"].set_weights(base.get_weights())
     compile_model(runs["float32"]["model"], args.lr)
-    for name in ("muppet", "fixed_schedule"):
+    for name in [n for n in runs if n != "float32"]:
         runs[name]["model"] = compile_model(
             fixed_point_model(base, seed=args.seed), args.lr
         )
@@ -191,7 +231,7 @@ def run(args):
                     "assumptions"
                 ],
             )
-            if name == "muppet":
+            if name == "muppet" and args.model == "cnn":
                 try:
                     entry["plot"] = plot_precision(
                         r["callback"], os.path.join(args.out, "muppet.png")
@@ -202,23 +242,38 @@ def run(args):
     return results
 
 
-def markdown(report):
+def _table(report):
+    """The Markdown of one model's report (the CNN's or an applications
+    model's): setup, the result table, precision per epoch."""
     cfg, res = report["config"], report["results"]
     f32 = res["float32"]["test_accuracy"]
+    fixed = [n for n in ("muppet", "fixed_schedule") if n in res]
+    if report.get("model", "cnn") == "cnn":
+        setup = "CNN (2 conv + 2 dense)"
+    else:
+        setup = (
+            f"`keras.applications` {APPLICATIONS[report['model']]} "
+            "(weights=None, 32x32 zero-padded Fashion-MNIST, one channel, "
+            f"BatchNorm momentum {BN_MOMENTUM}; no fixed-schedule run: the "
+            "fixed-point copy takes minutes to trace on this CPU)"
+        )
     lines = [
-        "# MuPPET on Fashion-MNIST",
-        "",
         f"Command: `{report['command']}`  ",
         f"TensorFlow {report['tensorflow']}, Keras {report['keras']}, "
         f"{report['cpu_count']} CPU cores (shared), {report['seconds']:.0f} s.",
         "",
-        f"CNN (2 conv + 2 dense), Adam lr={cfg['lr']}, batch "
+        f"{setup}, Adam lr={cfg['lr']}, batch "
         f"{cfg['batch_size']}, {cfg['epochs']} epochs of "
         f"{cfg['samples_per_epoch']} training images (seeded permutations "
-        f"of the 60,000), test on {cfg['test_images']} real test images. "
+        f"of the 60,000; {cfg['epochs'] * cfg['samples_per_epoch']:,} "
+        f"images seen), test on {cfg['test_images']} real test images. "
         f"Adaptive: schedule 8, 12, 14, 16, float32; r={cfg['resolution']}, "
-        f"gamma={cfg['patience']}. Fixed: switches at epochs "
-        f"{list(cfg['fixed_epoch_schedule'])}.",
+        f"gamma={cfg['patience']}."
+        + (
+            f" Fixed: switches at epochs {list(cfg['fixed_epoch_schedule'])}."
+            if "fixed_schedule" in res
+            else ""
+        ),
         "",
         "| run | test acc. | vs float32 (points) | float32-inference acc. "
         "| switch epochs | epoch time / float32 (CPU emulation) "
@@ -239,7 +294,7 @@ def markdown(report):
                 else "1.00x (baseline) |"
             )
         )
-    for name in ("muppet", "fixed_schedule"):
+    for name in fixed:
         r = res[name]
         lines += [
             "",
@@ -250,6 +305,20 @@ def markdown(report):
                 for b, v in r["time_ratio_per_precision"].items()
             ),
         ]
+    return lines
+
+
+def markdown(report):
+    lines = ["# MuPPET on Fashion-MNIST", ""]
+    if "results" in report:
+        lines += _table(report)
+    for model, sub in report.get("applications", {}).items():
+        lines += ["", f"## {APPLICATIONS[model]}", ""] + _table(sub)
+    assumptions = next(
+        r["results"]["muppet"]["cost_model_assumptions"]
+        for r in [report, *report.get("applications", {}).values()]
+        if "results" in r
+    )
     lines += [
         "",
         "The CPU time ratios are the cost of *emulating* fixed point in "
@@ -257,7 +326,7 @@ def markdown(report):
         "activation and gradient): on this CPU MuPPET is slower than "
         "float32, and no CPU figure here is a speed-up. The GPU column is "
         "the cost model's estimate, not a measurement: "
-        f"{res['muppet']['cost_model_assumptions']}.",
+        f"{assumptions}.",
         "",
     ]
     return "\n".join(lines)
@@ -266,6 +335,13 @@ def markdown(report):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="smoke run")
+    parser.add_argument(
+        "--model",
+        choices=("cnn", *APPLICATIONS),
+        default="cnn",
+        help="cnn (default) or a keras.applications model; each writes its "
+        "own part of muppet.json and keeps the other's",
+    )
     parser.add_argument("--epochs", type=int)
     parser.add_argument("--samples-per-epoch", type=int)
     parser.add_argument("--batch-size", type=int, default=128)
@@ -280,14 +356,19 @@ def main(argv=None):
         args.samples_per_epoch = args.samples_per_epoch or 2048
         args.resolution = args.resolution or 2
         args.patience = min(args.patience, 1)
-    else:
+    elif args.model == "cnn":
         args.epochs = args.epochs or 36
+        args.samples_per_epoch = args.samples_per_epoch or 6400
+        args.resolution = args.resolution or 3
+    else:
+        args.epochs = args.epochs or 20
         args.samples_per_epoch = args.samples_per_epoch or 6400
         args.resolution = args.resolution or 3
     os.makedirs(args.out, exist_ok=True)
     start = time.perf_counter()
     results = run(args)
-    report = {
+    sub = {
+        "model": args.model,
         "command": " ".join(
             ["python benchmarks/bench_muppet.py"]
             + (argv if argv is not None else sys.argv[1:])
@@ -311,10 +392,16 @@ def main(argv=None):
         },
         "results": results,
     }
-    write_atomic(
-        os.path.join(args.out, "muppet.json"),
-        json.dumps(report, indent=2, default=float),
-    )
+    path = os.path.join(args.out, "muppet.json")
+    report = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            report = json.load(f)
+    if args.model == "cnn":
+        report = {**sub, "applications": report.get("applications", {})}
+    else:
+        report.setdefault("applications", {})[args.model] = sub
+    write_atomic(path, json.dumps(report, indent=2, default=float))
     write_atomic(os.path.join(args.out, "muppet.md"), markdown(report))
     print(markdown(report))
 

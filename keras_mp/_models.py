@@ -96,3 +96,68 @@ def reset_compiled_functions(model):
             setattr(model, name, None)
     if getattr(model, "train_function", None) is not None:
         model.make_train_function(force=True)
+
+
+def copy_through_config(layer, caller):
+    """A copy of `layer` (a model or layer) rebuilt from its config, built,
+    with the same weights.
+
+    A subclassed model or a keras-hub backbone rebuilds its sublayers from
+    its own code, so this works where copying each sublayer's config would
+    not (some keras-hub layers' configs do not round-trip).
+
+    Args:
+        layer: a built `keras.layers.Layer` or `keras.Model`.
+        caller: str. The public function's name, for the message.
+
+    Raises:
+        ValueError: the config does not rebuild `layer` (what to do).
+    """
+    try:
+        copy = keras.saving.deserialize_keras_object(
+            keras.saving.serialize_keras_object(layer), safe_mode=False
+        )
+        if not copy.built:
+            copy.build_from_config(layer.get_build_config())
+        copy.set_weights(layer.get_weights())
+    except Exception as e:  # any from_config can fail its own way
+        raise ValueError(
+            f"`{caller}` works on a copy of {type(layer).__name__} "
+            f"{layer.name!r} rebuilt from its config, and that failed "
+            f"({type(e).__name__}: {e}). Give {type(layer).__name__} a "
+            "`get_config()` returning its constructor arguments and "
+            "register it with `keras.saving.register_keras_serializable()`."
+        ) from e
+    return copy
+
+
+def symbolic_inputs(model):
+    """Fresh `keras.Input`s like `model`'s inputs, in their structure (a
+    dict for keras-hub backbones); for a subclassed model, shaped by the
+    shape it was built with (batch size left free), float32.
+
+    Raises:
+        ValueError: `model` was never called or built, so its inputs are
+            unknown.
+    """
+    try:
+        structure = model.input
+    except (AttributeError, ValueError):
+        structure = None
+    if structure is not None:
+        return keras.tree.map_structure(
+            lambda t: keras.Input(
+                batch_shape=t.shape, dtype=t.dtype, name=t.name
+            ),
+            structure,
+        )
+    shape = (model.get_build_config() or {}).get("input_shape")
+    if shape is None:
+        raise ValueError(
+            f"Model {model.name!r} has never been called, so its inputs are "
+            "unknown. Call it once on a batch (or `model.build(shape)`) "
+            "first."
+        )
+    return keras.tree.map_shape_structure(
+        lambda s: keras.Input(batch_shape=(None, *tuple(s)[1:])), shape
+    )

@@ -3,6 +3,8 @@ AMP rules (16-bit compute, sensitive layers in float32) to a model, TF32.
 Guide: `docs/mixed-precision.md`.
 """
 
+import warnings
+
 import keras
 
 from keras_mp import _keras, _models, layer_table
@@ -158,15 +160,133 @@ def _output_layer_names(model):
     return {layer.name for layer in producers if layer is not None}
 
 
+# Keras computes these in float32 whatever their policy (their math upcasts
+# half inputs), so inside a custom layer they may share its 16-bit policy.
+_UPCASTING = (keras.layers.BatchNormalization, keras.layers.LayerNormalization)
+
+
+def _dtype_for(layer, policy, outputs):
+    """The `dtype` a layer with sublayers is rebuilt with. Inside a custom
+    layer's code one dtype must run throughout (keras-hub's residual adds do
+    not cast), so it gets `policy` (or float32 when it is sensitive itself).
+    A Functional one (a keras-hub backbone) gets a `DTypePolicyMap`: its
+    graph's own sensitive leaf layers, between which Keras casts, in
+    float32 (a custom layer in its graph runs in `policy`, even when it
+    makes an output: the paths of its sublayers are its code's)."""
+    if layer_table.keeps_float32(layer) or layer.name in outputs:
+        return "float32"
+    if not _keras.is_graph_model(layer):
+        return policy
+    policy_map = keras.dtype_policies.DTypePolicyMap(default_policy=policy)
+    for x in layer.layers:
+        sensitive = layer_table.keeps_float32(x) or x.name in outputs
+        if x.path and sensitive and not _keras.sublayers(x):
+            policy_map[x.path] = "float32"
+    return policy_map
+
+
+def _rebuild(layer, policy, outputs):
+    """`layer` rebuilt from its config under `policy`. keras-hub layers pass
+    their `dtype` to their sublayers; a layer whose code does not is copied
+    as it was (`_check_reached` names what stayed float32)."""
+    if not _keras.sublayers(layer):
+        keep = layer_table.keeps_float32(layer) or layer.name in outputs
+        config = layer.get_config()
+        config["dtype"] = "float32" if keep else policy
+        return layer.__class__.from_config(config)
+    config = keras.saving.serialize_keras_object(layer)
+    config["config"]["dtype"] = _dtype_for(layer, policy, outputs)
+    try:
+        new = keras.saving.deserialize_keras_object(config, safe_mode=False)
+    except Exception as e:  # any from_config can fail its own way
+        raise TypeError(
+            f"`apply_mixed_precision` copies {type(layer).__name__} "
+            f"{layer.name!r} under the new policy through its config, and "
+            f"that failed ({type(e).__name__}: {e}). Give it a `get_config()` "
+            "returning its constructor arguments (with `**kwargs` passed to "
+            "`super().__init__`), or call `keras_mp.enable_mixed_precision()` "
+            "before constructing the model."
+        ) from e
+    if isinstance(new, keras.Model) and not _keras.is_graph_model(new):
+        return new  # a subclassed model: `_check_reached` says what it did
+    wanted = {"float32", keras.DTypePolicy(policy).compute_dtype}
+    if not any(
+        x.compute_dtype in wanted - {layer.compute_dtype}
+        for x in _models.walk_layers(new)
+        if x.weights
+    ):
+        # Its code makes its sublayers without its dtype: a 16-bit layer
+        # around float32 ones would mix dtypes in its own math.
+        return layer.__class__.from_config(layer.get_config())
+    return new
+
+
+def _check_reached(model, new, policy, outputs):
+    """Warns about the layers of `new` whose compute dtype is not what the
+    AMP rules want: left float32 (not reached) or sensitive in 16-bit.
+
+    Raises:
+        TypeError: no weighted layer was reached at all.
+    """
+    half = keras.DTypePolicy(policy).compute_dtype
+    missed, exposed, reached = [], [], 0
+    for old, layer in zip(
+        _models.walk_layers(model), _models.walk_layers(new), strict=True
+    ):
+        if old.name in outputs or layer_table.keeps_float32(old):
+            if layer.compute_dtype != "float32" and not isinstance(
+                layer, _UPCASTING
+            ):
+                exposed.append(layer.name)
+        elif old.weights and not _keras.sublayers(old):
+            if layer.compute_dtype == half:
+                reached += 1
+            else:
+                missed.append(layer.name)
+    if missed and not reached:
+        raise TypeError(
+            f"`apply_mixed_precision` could not give any layer of model "
+            f"{model.name!r} the policy {policy!r}: its layers are made by "
+            f"{type(model).__name__}'s code, which does not pass the model's "
+            "`dtype` to them. Call `keras_mp.enable_mixed_precision()` "
+            'before constructing the model (and pass `dtype="float32"` to '
+            "its normalization, softmax and output layers), or rebuild it as "
+            "a Functional or Sequential model."
+        )
+    if missed:
+        warnings.warn(
+            f"apply_mixed_precision: these layers stay float32, their parent "
+            f"layer does not pass its dtype policy to them: "
+            f"{', '.join(missed)}. Construct them with "
+            f"`dtype={policy!r}` to run them in {half}.",
+            stacklevel=3,
+        )
+    if exposed:
+        warnings.warn(
+            f"apply_mixed_precision: these layers compute in {half} although "
+            f"the AMP rules keep them in float32: their parent layer's code "
+            f"runs them in its own dtype: {', '.join(exposed)}.",
+            stacklevel=3,
+        )
+
+
 def apply_mixed_precision(model, policy=None):
     """Copies `model` under a mixed policy, sensitive layers kept in float32.
 
     Every layer gets `policy`, except those `is_precision_sensitive` names
     (normalizations, softmax, the model's output layers), which get
     `"float32"`. Weights are carried over; variables stay float32 either way.
+    A Sequential or Functional model is copied layer by layer (nested ones
+    entered); a layer with sublayers (a custom layer, a nested keras-hub
+    backbone) and any other model (subclassed, keras-hub backbones) are
+    rebuilt from their config with a `keras.DTypePolicyMap` as `dtype`:
+    `policy` by default, float32 at the paths of sensitive sublayers. That
+    reaches every layer of a keras-hub model, whose layers pass `dtype` on;
+    a layer whose parent does not pass it on stays as it was, and a warning
+    names it. The copy saves to `.keras` with its policies.
 
     Args:
-        model: A Sequential or Functional `keras.Model`.
+        model: a built `keras.Model`.
         policy: str. The policy for the other layers. Defaults to the global
             policy.
 
@@ -174,37 +294,41 @@ def apply_mixed_precision(model, policy=None):
         A new `keras.Model` with the same weights.
 
     Raises:
-        TypeError: `model` is not a Keras 3 model, or is subclassed.
+        TypeError: `model` is not a Keras 3 model, or is a model none of
+            whose layers can take the policy (a subclassed model whose code
+            makes its layers without passing `dtype`).
         ValueError: `policy` is not a known policy name.
 
     Example:
 
     >>> mixed = keras_mp.apply_mixed_precision(model, "mixed_bfloat16")
     """
-    _models.check_graph_model(
-        model,
-        "apply_mixed_precision",
-        "Its layers cannot be copied under a new policy: call "
-        "`keras_mp.enable_mixed_precision()` before constructing the model "
-        '(and pass `dtype="float32"` to its normalization, softmax and '
-        "output layers), or rebuild it as a Functional or Sequential model.",
-    )
+    _models.check_model(model, "apply_mixed_precision")
     policy = policy or keras.mixed_precision.global_policy().name
     if policy not in POLICIES[:3]:
         raise ValueError(
             f"`policy` must be one of {POLICIES[:3]}. Received: "
             f"policy={policy!r}"
         )
-    outputs = _output_layer_names(model)
+    outputs = (
+        _output_layer_names(model) if _keras.is_graph_model(model) else set()
+    )
 
     def clone(layer):
-        config = layer.get_config()
-        keep = layer_table.keeps_float32(layer) or layer.name in outputs
-        config["dtype"] = "float32" if keep else policy
-        return layer.__class__.from_config(config)
+        if not isinstance(layer, keras.layers.Layer):
+            # An operation of the graph (`GetItem` in keras-hub): no dtype.
+            return layer.__class__.from_config(layer.get_config())
+        if _keras.is_plain_graph_model(layer):
+            return keras.models.clone_model(layer, clone_function=clone)
+        return _rebuild(layer, policy, outputs)
 
-    new = keras.models.clone_model(model, clone_function=clone)
+    if _keras.is_plain_graph_model(model):
+        new = keras.models.clone_model(model, clone_function=clone)
+    else:
+        new = _rebuild(model, policy, outputs)
     new.set_weights(model.get_weights())
+    if policy != "float32":
+        _check_reached(model, new, policy, outputs)
     return new
 
 

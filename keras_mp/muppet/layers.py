@@ -153,9 +153,11 @@ class FixedPointWrapper(_RandomStateMixin, keras.layers.Wrapper):
         self._init_seed(seed)
         self._loss_scale = None
         params = inspect.signature(layer.call).parameters
-        self._pass_training = "training" in params or any(
-            p.kind is p.VAR_KEYWORD for p in params.values()
-        )
+        any_keyword = any(p.kind is p.VAR_KEYWORD for p in params.values())
+        self._pass_training = "training" in params or any_keyword
+        # A Functional graph records `mask=` for layers whose call takes one
+        # (BatchNormalization does) and replays it on the clone.
+        self._pass_mask = "mask" in params or any_keyword
 
     def build(self, input_shape=None):
         super().build(input_shape)
@@ -194,7 +196,7 @@ class FixedPointWrapper(_RandomStateMixin, keras.layers.Wrapper):
         self._build_seed_stream()
         self.built = True
 
-    def call(self, inputs, training=None):
+    def call(self, inputs, training=None, mask=None, **kwargs):
         word_length = ops.convert_to_tensor(self.word_length)
         weights = [
             fixed_point_ste(
@@ -209,7 +211,10 @@ class FixedPointWrapper(_RandomStateMixin, keras.layers.Wrapper):
             )
         ]
         state = [v.value for v in self.layer.non_trainable_variables]
-        kwargs = {"training": training} if self._pass_training else {}
+        if self._pass_training:
+            kwargs["training"] = training
+        if self._pass_mask and mask is not None:
+            kwargs["mask"] = mask
         outputs, new_state = self.layer.stateless_call(
             weights, state, inputs, **kwargs
         )
@@ -226,8 +231,11 @@ class FixedPointWrapper(_RandomStateMixin, keras.layers.Wrapper):
     def compute_output_shape(self, input_shape):
         return self.layer.compute_output_shape(input_shape)
 
-    def compute_output_spec(self, inputs, training=None):
-        return self.layer.compute_output_spec(inputs)
+    def compute_output_spec(self, inputs, training=None, mask=None, **kwargs):
+        return self.layer.compute_output_spec(inputs, **kwargs)
+
+    def compute_mask(self, inputs, mask=None):
+        return self.layer.compute_mask(inputs, mask)
 
     def get_config(self):
         return {**super().get_config(), "seed": self.seed}

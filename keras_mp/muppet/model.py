@@ -2,9 +2,11 @@
 helpers that find and set its fixed-point layers. Guide: `docs/muppet.md`.
 """
 
+import warnings
+
 import keras
 
-from keras_mp import _models
+from keras_mp import _keras, _models
 from keras_mp.muppet.layers import (
     FixedPointInput,
     FixedPointWrapper,
@@ -13,38 +15,63 @@ from keras_mp.muppet.layers import (
 from keras_mp.muppet.quantizer import check_word_length
 
 
-def _wrap_layer(layer, seed):
-    """A copy of `layer`, wrapped in `FixedPointWrapper` if it has weights."""
-    copy = layer.__class__.from_config(layer.get_config())
-    if not layer.trainable_weights:
-        return copy
-    copy.build_from_config(layer.get_build_config())
-    copy.set_weights(layer.get_weights())
+def _holds_weighted_sublayers(layer):
+    return any(sub.trainable_weights for sub in _models.walk_layers(layer))
+
+
+def _wrap(layer, seed, whole):
+    """`layer`, copied, in a `FixedPointWrapper`; `whole` collects the names
+    of wrapped layers with weighted sublayers (activations inside stay
+    float32)."""
+    if _holds_weighted_sublayers(layer):
+        whole.append(layer.name)
+    copy = _models.copy_through_config(layer, "fixed_point_model")
     return FixedPointWrapper(copy, seed=seed, name=f"fixed_point_{layer.name}")
 
 
-def fixed_point_model(model, seed=None):
-    """Returns a MuPPET-trainable copy of a Sequential or Functional model.
+def _clone_graph(model, seed, whole):
+    """A copy of a plain Sequential or Functional model with every layer
+    that has trainable weights wrapped (nested plain models entered)."""
 
-    Every layer with trainable weights is wrapped in `FixedPointWrapper`
-    (weights copied over; nested Sequential/Functional models are walked),
-    every input goes through a per-sample `FixedPointInput`, and a
-    `PrecisionState` layer carries the switching state. The copy starts in
-    float32 (word length 0) and computes exactly what `model` computes
-    until `keras_mp.PrecisionSwitching` lowers the precision.
+    def clone(layer):
+        if _keras.is_plain_graph_model(layer):
+            return _clone_graph(layer, seed, whole)
+        if not getattr(layer, "trainable_weights", None):
+            return layer.__class__.from_config(layer.get_config())
+        return _wrap(layer, seed, whole)
+
+    return keras.models.clone_model(model, clone_function=clone)
+
+
+def fixed_point_model(model, seed=None):
+    """Returns a MuPPET-trainable copy of a Keras 3 model.
+
+    In a Sequential or Functional model (nested ones are entered) every
+    layer with trainable weights is wrapped in `FixedPointWrapper`, weights
+    copied over. Any other model (subclassed, keras-hub backbones and other
+    Functional subclasses) is wrapped whole, and so is a custom layer that
+    holds weighted sublayers: the wrapper runs every weight inside it, at
+    any depth, in fixed point, and quantizes its outputs and their
+    gradients, but the activations between its sublayers stay float32 (a
+    warning names these layers). Every input goes through a per-sample
+    `FixedPointInput`, and a `PrecisionState` layer carries the switching
+    state. The copy starts in float32 (word length 0) and computes exactly
+    what `model` computes until `keras_mp.PrecisionSwitching` lowers the
+    precision. It saves to `.keras` and loads with `safe_mode=True`.
 
     Args:
-        model: built `keras.Sequential` or Functional `keras.Model`.
+        model: built `keras.Model`. A subclassed one needs a `get_config()`
+            returning its constructor arguments and a registered class.
         seed: int or None. Seed of the stochastic rounding. Defaults to None.
 
     Returns:
-        A new, uncompiled `keras.Model` whose first inputs and outputs match
-        `model`'s.
+        A new, uncompiled Functional `keras.Model` taking `model`'s inputs
+        (same structure) and returning its outputs.
 
     Raises:
-        TypeError: `model` is not a Keras 3 model (e.g. a tf_keras one), or
-            is subclassed.
-        ValueError: `model` is not built, or has no trainable weights.
+        TypeError: `model` is not a Keras 3 model (e.g. a tf_keras one).
+        ValueError: `model` is not built, has no trainable weights, or
+            cannot be rebuilt from its config.
 
     Example:
 
@@ -52,15 +79,8 @@ def fixed_point_model(model, seed=None):
     >>> fp = fixed_point_model(model)
     >>> fp.compile("sgd", "mse")
     """
-    _models.check_graph_model(
-        model,
-        "fixed_point_model",
-        "Rebuild it with the Functional API (keras.Model(inputs, outputs)), "
-        "or wrap its weighted layers in keras_mp.FixedPointWrapper, add "
-        "keras_mp.FixedPointInput on its inputs and a "
-        "keras_mp.PrecisionState layer yourself.",
-    )
-    if not model.built or not model.inputs:
+    _models.check_model(model, "fixed_point_model")
+    if not model.built or (_keras.is_graph_model(model) and not model.inputs):
         raise ValueError(
             f"fixed_point_model() needs a built model with known inputs; "
             f"'{model.name}' is not built. Start it with keras.Input(shape) "
@@ -72,25 +92,31 @@ def fixed_point_model(model, seed=None):
             "nothing to train in fixed point. Pass a model with trainable "
             "layers (check `layer.trainable`)."
         )
-    clone = keras.models.clone_model(
-        model,
-        clone_function=lambda layer: _wrap_layer(layer, seed),
-        recursive=True,
-    )
-    inputs = [
-        keras.Input(batch_shape=t.shape, dtype=t.dtype, name=t.name)
-        for t in model.inputs
-    ]
-    quantized = [PrecisionState(name="precision_state")(inputs[0])]
-    quantized += inputs[1:]
+    whole = []
+    if _keras.is_plain_graph_model(model):
+        body = _clone_graph(model, seed, whole)
+    else:
+        body = _wrap(model, seed, whole)
+    if whole:
+        warnings.warn(
+            "fixed_point_model: these layers are wrapped whole, their "
+            "weights (at any depth) trained in fixed point but the "
+            "activations between their sublayers kept in float32: "
+            f"{', '.join(whole)}. Rebuild them as Functional models to "
+            "quantize every activation.",
+            stacklevel=2,
+        )
+    inputs = _models.symbolic_inputs(model)
+    flat = keras.tree.flatten(inputs)
+    quantized = [PrecisionState(name="precision_state")(flat[0])]
+    quantized += flat[1:]
     quantized = [
         FixedPointInput(seed=seed, name=f"fixed_point_input_{i}")(t)
         for i, t in enumerate(quantized)
     ]
-    if len(inputs) == 1:
-        inputs, quantized = inputs[0], quantized[0]
+    quantized = keras.tree.pack_sequence_as(inputs, quantized)
     return keras.Model(
-        inputs, clone(quantized), name=f"{model.name}_fixed_point"
+        inputs, body(quantized), name=f"{model.name}_fixed_point"
     )
 
 

@@ -4,7 +4,7 @@ import warnings
 
 import keras
 
-from keras_mp import _models
+from keras_mp import _keras, _models
 from keras_mp.sparsity.masks import (
     SCHEDULES,
     SparsityMask,
@@ -30,7 +30,11 @@ class StructuredSparsity(keras.callbacks.Callback):
     inside the compiled train step (also with `steps_per_execution > 1`,
     XLA and `tf.distribute`). The masks are saved with the model and stay
     on after `fit`: call `strip_sparsity` to export. How and when the masks
-    are made: `docs/sparsity.md`.
+    are made: `docs/sparsity.md`. Layers inside custom layers, subclassed
+    models and keras-hub backbones are pruned too; a `.keras` file cannot
+    keep their masks (their parent's code rebuilds them), which a warning
+    says when the masks are attached: prune the reloaded model again with
+    the same settings and it gets the same masks from the zeros.
 
     Layers that cannot be pruned are skipped and listed in `self.report`
     (a `SparsityReport`): input channels not a multiple of `n` (this
@@ -202,10 +206,31 @@ class StructuredSparsity(keras.callbacks.Callback):
             # A train step traced before the constraints existed (an earlier
             # `fit`) would not apply them: `fit` traces it again.
             _models.reset_compiled_functions(model)
+            self._warn_if_not_saved(model)
         if self.verbose:
             skipped = [r for r in self.report.rows if not r.eligible]
             for row in skipped:
                 print(f"StructuredSparsity: skipping {row.name}: {row.reason}")
+
+    def _warn_if_not_saved(self, model):
+        masked = {id(kernel) for kernel, _ in self._targets}
+        lost = [
+            layer.name
+            for layer, parents in _models.walk_layers(model, with_parents=True)
+            if id(prunable_kernel(layer)) in masked
+            and not all(map(_keras.is_plain_graph_model, (model, *parents)))
+        ]
+        if lost:
+            warnings.warn(
+                "StructuredSparsity: the masks of these layers are not saved "
+                "in a .keras file: their parent's code rebuilds them on "
+                "load, without the SparsityMask constraint: "
+                f"{', '.join(lost)}. "
+                "The saved kernels keep their zeros; after `load_model`, "
+                "train with the same StructuredSparsity again: it prunes "
+                "the sparse kernels to the same masks.",
+                stacklevel=4,
+            )
 
     @staticmethod
     def _warn_if_masked(layer, reason):

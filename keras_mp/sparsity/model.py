@@ -2,7 +2,7 @@
 
 import keras
 
-from keras_mp import _models, layer_table
+from keras_mp import _keras, _models, layer_table
 from keras_mp.selection import layer_matcher
 from keras_mp.sparsity.masks import SparsityMask, value
 
@@ -131,33 +131,34 @@ def strip_sparsity(model):
     same outputs. It is not compiled.
 
     Args:
-        model: a Sequential or Functional `keras.Model`.
+        model: a `keras.Model`: Sequential, Functional, or any model that
+            its config rebuilds (subclassed with `get_config`, keras-hub
+            backbones).
 
     Returns:
         A new `keras.Model`.
 
     Raises:
-        TypeError: `model` is not a Keras 3 model, or is subclassed.
+        TypeError: `model` is not a Keras 3 model.
+        ValueError: a subclassed model that its config does not rebuild.
 
     Example:
 
     >>> deploy = strip_sparsity(model)  # doctest: +SKIP
     >>> deploy.export("model", format="onnx")  # doctest: +SKIP
     """
-    _models.check_graph_model(
-        model,
-        "strip_sparsity",
-        "Its kernels already hold the 2:4 zeros; to export it without the "
-        "SparsityMask constraints, rebuild it with the Functional API "
-        "(keras.Model(inputs, outputs)) and copy the weights over.",
-    )
-    clone = keras.models.clone_model(
-        model,
-        clone_function=lambda layer: layer.__class__.from_config(
-            _strip_config(layer.get_config())
-        ),
-        recursive=True,
-    )
+    _models.check_model(model, "strip_sparsity")
+    if _keras.is_plain_graph_model(model):
+        clone = keras.models.clone_model(
+            model,
+            clone_function=lambda layer: layer.__class__.from_config(
+                _strip_config(layer.get_config())
+            ),
+            recursive=True,
+        )
+    else:
+        # Its code rebuilds the layers it holds, without constraints.
+        clone = _models.copy_through_config(model, "strip_sparsity")
     values = []
     for v in model.weights:
         w = value(v)

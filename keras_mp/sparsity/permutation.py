@@ -212,11 +212,6 @@ def _channelwise(layer):
 
 def _graph(model):
     """`(graph, nodes, consumers, outputs)` of a Functional graph."""
-    _models.check_graph_model(
-        model,
-        "permute_for_sparsity",
-        "Rebuild it with the Functional API (keras.Model(inputs, outputs)).",
-    )
     graph = _keras.functional_graph(model)
     if graph is None:
         raise ValueError(
@@ -291,72 +286,18 @@ def _producer_chain(layer, nodes, consumers, outputs):
     return _chain(nodes[id(layer)][0], nodes, consumers, outputs)
 
 
-def permute_for_sparsity(model, m=2, n=4, layers=None, max_swaps=None):
-    """Reorders channels in place so m:n pruning keeps more |w|.
-
-    For each prunable layer, `search_permutation` finds an order of its
-    input channels that keeps more weight magnitude under m:n magnitude
-    pruning. The layer's kernel is permuted along its input-channel axis and
-    the producing layer's kernel and bias along their output channels, with
-    the parameters of any BatchNormalization in between, so the model
-    computes the same function. This is done where the producer is a
-    simple chain: Dense or ConvND, then channel-wise layers only
-    (BatchNormalization, activations, Dropout, pooling), each with this
-    one consumer. Other layers are left alone, with the reason in the
-    returned rows. Call it after dense training and before
-    `StructuredSparsity` prunes, then compile with a fresh optimizer: the
-    per-weight state of an optimizer that already ran (e.g. Adam moments)
-    is not permuted.
-
-    Args:
-        model: a built Sequential or Functional `keras.Model`.
-        m: int. Weights kept per group. Defaults to 2.
-        n: int. Group size. Defaults to 4.
-        layers: optional selection of the layers whose inputs to permute,
-            as in `StructuredSparsity`. Defaults to None: every layer.
-        max_swaps: int. Per-layer bound for `search_permutation`.
-            Defaults to None (search until no swap helps).
-
-    Returns:
-        A list of `LayerPermutation`, one per selected layer type that
-        `StructuredSparsity` supports, in graph order.
-
-    Raises:
-        TypeError: `model` is not a Keras 3 model, or is subclassed.
-        ValueError: bad `m`/`n`, a Sequential model without an input
-            shape, or a layer that `StructuredSparsity` has already pruned
-            (permute first).
-
-    Example:
-
-    >>> model.fit(x, y, epochs=3)  # doctest: +SKIP
-    >>> rows = keras_mp.permute_for_sparsity(model)  # doctest: +SKIP
-    >>> model.compile(...)  # doctest: +SKIP
-    >>> sparsity = keras_mp.StructuredSparsity()  # doctest: +SKIP
-    >>> model.fit(x, y, callbacks=[sparsity])  # doctest: +SKIP
-    """
-    _models.check_model(model, "permute_for_sparsity")
-    check_m_n(m, n)
+def _permute_graph(model, m, n, selected, max_swaps, rows, covered):
+    """Permutes where a Functional graph shows the producer; nested graph
+    models are entered, each with its own graph. Appends to `rows`, adds
+    the layers it decided on to `covered` (ids)."""
     graph, nodes, consumers, outputs = _graph(model)
-    optimizer = getattr(model, "optimizer", None)
-    # A built optimizer that never stepped (e.g. `clone_model` of a compiled
-    # model) holds only its initial state: nothing to permute.
-    if (
-        optimizer is not None
-        and optimizer.built
-        and int(keras.ops.convert_to_numpy(optimizer.iterations)) > 0
-    ):
-        warnings.warn(
-            "permute_for_sparsity: the optimizer of this model has state "
-            "that is not permuted; compile with a fresh optimizer before "
-            "the sparse fine-tune.",
-            stacklevel=2,
-        )
-    selected = layer_matcher(layers)
-    rows = []
     for layer in graph.operations:
+        if _keras.is_graph_model(layer):
+            _permute_graph(layer, m, n, selected, max_swaps, rows, covered)
+            continue
         if not selected(layer) or not layer_table.prunable_weight(layer).ok:
             continue
+        covered.add(id(layer))
         row = LayerPermutation(layer.name)
         rows.append(row)
         verdict = check_eligible(layer, m, n)
@@ -396,4 +337,96 @@ def permute_for_sparsity(model, m=2, n=4, layers=None, max_swaps=None):
             for variable in layer_between.weights:
                 _take(variable, perm, 0)
         row.permuted = True
+
+
+def permute_for_sparsity(model, m=2, n=4, layers=None, max_swaps=None):
+    """Reorders channels in place so m:n pruning keeps more |w|.
+
+    For each prunable layer, `search_permutation` finds an order of its
+    input channels that keeps more weight magnitude under m:n magnitude
+    pruning. The layer's kernel is permuted along its input-channel axis and
+    the producing layer's kernel and bias along their output channels, with
+    the parameters of any BatchNormalization in between, so the model
+    computes the same function. This is done where the producer is a
+    simple chain: Dense or ConvND, then channel-wise layers only
+    (BatchNormalization, activations, Dropout, pooling), each with this
+    one consumer, in the layer graph of a Sequential or Functional model
+    (nested ones and keras-hub backbones included). Other layers are left
+    alone, with the reason in the returned rows: among them every layer
+    inside a custom layer or a subclassed model, whose producer is Python
+    code, not a graph. Call it after dense training and before
+    `StructuredSparsity` prunes, then compile with a fresh optimizer: the
+    per-weight state of an optimizer that already ran (e.g. Adam moments)
+    is not permuted.
+
+    Args:
+        model: a built `keras.Model`.
+        m: int. Weights kept per group. Defaults to 2.
+        n: int. Group size. Defaults to 4.
+        layers: optional selection of the layers whose inputs to permute,
+            as in `StructuredSparsity`. Defaults to None: every layer.
+        max_swaps: int. Per-layer bound for `search_permutation`.
+            Defaults to None (search until no swap helps).
+
+    Returns:
+        A list of `LayerPermutation`, one per selected layer type that
+        `StructuredSparsity` supports: the graph's layers in graph order,
+        then those no graph reaches, in layer-tracking order.
+
+    Raises:
+        TypeError: `model` is not a Keras 3 model.
+        ValueError: bad `m`/`n`, a Sequential model without an input
+            shape, or a layer that `StructuredSparsity` has already pruned
+            (permute first).
+
+    Example:
+
+    >>> model.fit(x, y, epochs=3)  # doctest: +SKIP
+    >>> rows = keras_mp.permute_for_sparsity(model)  # doctest: +SKIP
+    >>> model.compile(...)  # doctest: +SKIP
+    >>> sparsity = keras_mp.StructuredSparsity()  # doctest: +SKIP
+    >>> model.fit(x, y, callbacks=[sparsity])  # doctest: +SKIP
+    """
+    _models.check_model(model, "permute_for_sparsity")
+    check_m_n(m, n)
+    optimizer = getattr(model, "optimizer", None)
+    # A built optimizer that never stepped (e.g. `clone_model` of a compiled
+    # model) holds only its initial state: nothing to permute.
+    if (
+        optimizer is not None
+        and optimizer.built
+        and int(keras.ops.convert_to_numpy(optimizer.iterations)) > 0
+    ):
+        warnings.warn(
+            "permute_for_sparsity: the optimizer of this model has state "
+            "that is not permuted; compile with a fresh optimizer before "
+            "the sparse fine-tune.",
+            stacklevel=2,
+        )
+    selected = layer_matcher(layers)
+    rows = []
+    covered = set()
+    if _keras.is_graph_model(model):
+        _permute_graph(model, m, n, selected, max_swaps, rows, covered)
+    # What no layer graph reaches: layers inside custom layers (keras-hub's
+    # transformer blocks) or a subclassed model, called by Python code.
+    for layer, parents in _models.walk_layers(model, with_parents=True):
+        if id(layer) in covered or not selected(layer):
+            continue
+        if not layer_table.prunable_weight(layer).ok:
+            continue
+        owner = parents[-1] if parents else model
+        row = LayerPermutation(layer.name)
+        rows.append(row)
+        verdict = check_eligible(layer, m, n)
+        row.reason = verdict.reason or (
+            f"it is called by the code of {owner.name} "
+            f"({type(owner).__name__}), not in a layer graph: its producer "
+            "is unknown"
+        )
+        if verdict.ok:
+            kernel = getattr(layer, verdict.value.attr)
+            axis = verdict.value.in_axis
+            found = search_permutation(value(kernel), axis, m, n, 0)
+            row.kept_magnitude = found.kept_magnitude
     return rows

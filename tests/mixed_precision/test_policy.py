@@ -3,8 +3,10 @@ import numpy as np
 import pytest
 
 import keras_mp
+from keras_mp._models import walk_layers
 from keras_mp.mixed_precision import policy
 from tests.conftest import Subclassed, small_cnn, tf_keras_like
+from tests.quantization.test_nested import Block, Net
 
 
 def test_enable_returns_previous_and_restores_as_context():
@@ -153,9 +155,19 @@ def test_apply_rejects_what_it_cannot_copy():
         keras_mp.apply_mixed_precision(tf_keras_like())
     with pytest.raises(
         TypeError,
-        match="subclassed Subclassed.*enable_mixed_precision.*Functional",
+        match=r"copies Subclassed 'subclassed' under the new policy through "
+        r"its config, and that failed.*`get_config\(\)`"
+        r".*enable_mixed_precision",
     ):
         keras_mp.apply_mixed_precision(Subclassed())
+    net = Net(name="net")
+    net(np.ones((1, 6), "float32"))
+    with pytest.raises(
+        TypeError,
+        match=r"could not give any layer of model 'net' the policy "
+        r"'mixed_float16'.*Net's code.*enable_mixed_precision\(\)",
+    ):
+        keras_mp.apply_mixed_precision(net, "mixed_float16")
     with pytest.raises(
         ValueError,
         match=r"`policy` must be one of \('mixed_float16', 'mixed_bfloat16', "
@@ -168,3 +180,71 @@ def test_set_tf32_returns_previous_state():
     previous = keras_mp.set_tf32(False)
     assert keras_mp.set_tf32(previous) is False
     assert keras_mp.set_tf32(previous) is previous
+
+
+def _round_trip(model, tmp_path, data):
+    """Saves and loads with safe_mode=True: same dtypes, same outputs."""
+    path = tmp_path / "mixed.keras"
+    model.save(path)
+    loaded = keras.saving.load_model(path, safe_mode=True)
+    assert [x.compute_dtype for x in walk_layers(loaded)] == [
+        x.compute_dtype for x in walk_layers(model)
+    ]
+    for a, b in zip(
+        keras.tree.flatten(model(data)),
+        keras.tree.flatten(loaded(data)),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_keras_hub_bert_backbone_takes_the_policy(tmp_path):
+    """Every Dense/EinsumDense inside BERT's custom layers computes in
+    bfloat16 (the policy goes down as a DTypePolicyMap), the graph's own
+    LayerNorm and the pooled output stay float32, the softmax inside the
+    attention is named as left in bfloat16; the policies are saved."""
+    keras_hub = pytest.importorskip("keras_hub")
+    model = keras_hub.models.BertBackbone(
+        vocabulary_size=50,
+        num_layers=1,
+        num_heads=2,
+        hidden_dim=16,
+        intermediate_dim=32,
+        max_sequence_length=8,
+    )
+    with pytest.warns(UserWarning, match="bfloat16 although.*softmax"):
+        mixed = keras_mp.apply_mixed_precision(model, "mixed_bfloat16")
+    dtypes = {x.path: x.compute_dtype for x in walk_layers(mixed) if x.path}
+    weighted = [
+        x.path
+        for x in walk_layers(mixed)
+        if isinstance(x, (keras.layers.Dense, keras.layers.EinsumDense))
+    ]
+    assert len(weighted) == 7
+    assert {dtypes[p] for p in weighted if p != "pooled_dense"} == {"bfloat16"}
+    assert (
+        dtypes["pooled_dense"] == dtypes["embeddings_layer_norm"] == "float32"
+    )
+    data = {
+        "token_ids": np.arange(16, dtype="int32").reshape(2, 8) % 50,
+        "segment_ids": np.zeros((2, 8), "int32"),
+        "padding_mask": np.ones((2, 8), "int32"),
+    }
+    np.testing.assert_allclose(
+        mixed(data)["pooled_output"],
+        model(data)["pooled_output"],
+        atol=5e-2,
+    )
+    _round_trip(mixed, tmp_path, data)
+
+
+def test_custom_layer_that_does_not_pass_dtype_is_named(tmp_path):
+    inputs = keras.Input((6,))
+    x = keras.layers.Dense(8, name="stem")(inputs)
+    x = Block(8, name="block")(x)
+    model = keras.Model(inputs, keras.layers.Dense(3, name="head")(x))
+    with pytest.warns(UserWarning, match=r"stay float32.*: dense"):
+        mixed = keras_mp.apply_mixed_precision(model, "mixed_float16")
+    assert mixed.get_layer("stem").compute_dtype == "float16"
+    assert mixed.get_layer("block").compute_dtype == "float32"
+    _round_trip(mixed, tmp_path, np.ones((2, 6), "float32"))

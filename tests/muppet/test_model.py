@@ -20,6 +20,7 @@ from tests.muppet.conftest import (
     compiled_fixed_point,
     tiny_data,
 )
+from tests.quantization.test_nested import Block, Net
 
 
 def test_fixed_point_model_copies_weights_and_matches_in_float32():
@@ -103,6 +104,12 @@ def test_layers_of_a_nested_model_are_wrapped_and_found():
     assert precision_state(base) is None
 
 
+def _built_subclassed():
+    model = Subclassed()
+    model(np.ones((1, 3), "float32"))
+    return model
+
+
 def _frozen():
     return keras.Sequential(
         [keras.Input((4,)), keras.layers.Dense(2, trainable=False)]
@@ -113,11 +120,10 @@ def _frozen():
     "make, error, match",
     [
         (
-            Subclassed,
-            TypeError,
-            r"`fixed_point_model` needs the layer graph.*subclassed "
-            r"Subclassed.*Functional API \(keras.Model\(inputs, outputs\)\)"
-            r".*keras_mp.PrecisionState layer yourself",
+            _built_subclassed,
+            ValueError,
+            r"copy of Subclassed 'subclassed' rebuilt from its config.*"
+            r"Give Subclassed a `get_config\(\)`.*register_keras_serializable",
         ),
         (
             tf_keras_like,
@@ -148,3 +154,87 @@ def test_set_word_length_rejects_a_bad_width():
     assert {
         float(v.word_length.numpy()) for v in fixed_point_layers(model)
     } == {0.0}
+
+
+def _block_model():
+    inputs = keras.Input((6,))
+    x = keras.layers.Dense(8, name="stem")(inputs)
+    x = Block(8, name="block")(x)
+    return keras.Model(inputs, keras.layers.Dense(3, name="head")(x))
+
+
+def _net():
+    model = Net(name="net")
+    model(tiny_data(1)[0])
+    return model
+
+
+def _reload(model, tmp_path):
+    path = os.path.join(tmp_path, "muppet.keras")
+    model.save(path)
+    return keras.saving.load_model(path, safe_mode=True)
+
+
+def test_subclassed_model_with_a_custom_layer_trains_and_reloads(tmp_path):
+    """A subclassed model (holding a custom layer): wrapped whole (the
+    warning names it), trained in 8 bits, saved and loaded with
+    safe_mode=True at the same precision."""
+    base = _net()
+    x, y = tiny_data()
+    with pytest.warns(UserWarning, match="wrapped whole.*float32: net"):
+        model = fixed_point_model(base, seed=0)
+    np.testing.assert_array_equal(model(x).numpy(), base(x).numpy())
+    model.compile(keras.optimizers.SGD(0.05), "sparse_categorical_crossentropy")
+    switching = PrecisionSwitching(schedule=(8, None), epoch_schedule=(10,))
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=[switching])
+    assert not np.allclose(model(x).numpy(), base(x).numpy(), atol=1e-3)
+    loaded = _reload(model, tmp_path)
+    assert [
+        float(v.word_length.numpy()) for v in fixed_point_layers(loaded)
+    ] == [
+        8.0,
+        8.0,
+    ]
+    set_word_length(model, None)
+    set_word_length(loaded, None)
+    np.testing.assert_array_equal(model(x).numpy(), loaded(x).numpy())
+
+
+def test_custom_layer_in_a_functional_model_is_wrapped_whole(tmp_path):
+    base = _block_model()
+    x = tiny_data(8)[0]
+    with pytest.warns(UserWarning, match="wrapped whole.*float32: block"):
+        model = fixed_point_model(base, seed=0)
+    names = [layer.layer.name for layer in model.layers[-1].layers[1:]]
+    assert names == ["stem", "block", "head"]
+    set_word_length(model, 6)
+    low = model(x).numpy()
+    assert not np.allclose(low, base(x).numpy(), atol=1e-3)
+    loaded = _reload(model, tmp_path)
+    assert {
+        float(v.word_length.numpy()) for v in fixed_point_layers(loaded)
+    } == {6.0}
+
+
+def test_functional_batchnorm_mask_argument_is_forwarded():
+    """A Functional graph records `mask=` for BatchNormalization (as in every
+    keras.applications model): the wrapper takes and forwards it."""
+    inputs = keras.Input((6,))
+    h = keras.layers.BatchNormalization()(keras.layers.Dense(4)(inputs))
+    base = keras.Model(inputs, keras.layers.Dense(2)(h))
+    x = tiny_data(4)[0]
+    np.testing.assert_array_equal(
+        fixed_point_model(base)(x).numpy(), base(x).numpy()
+    )
+
+
+@pytest.mark.slow
+def test_keras_applications_mobilenetv2_copies():
+    base = keras.applications.MobileNetV2(
+        input_shape=(32, 32, 1), alpha=0.35, weights=None, classes=10
+    )
+    x = np.random.default_rng(0).random((2, 32, 32, 1)).astype("float32")
+    model = fixed_point_model(base)
+    np.testing.assert_array_equal(model(x).numpy(), base(x).numpy())
+    set_word_length(model, 8)
+    assert not np.allclose(model(x).numpy(), base(x).numpy(), atol=1e-4)

@@ -4,13 +4,16 @@ import keras
 import numpy as np
 import pytest
 
+from keras_mp._models import walk_layers
 from keras_mp.sparsity import (
     StructuredSparsity,
     is_2_4_sparse,
+    permute_for_sparsity,
     sparse_layers,
     sparsity_report,
     strip_sparsity,
 )
+from tests.quantization.test_nested import Net
 from tests.sparsity.conftest import (
     assert_sparse,
     compile_model,
@@ -321,3 +324,87 @@ def test_nothing_prunable_is_an_error_with_each_reason():
             verbose=0,
             callbacks=[StructuredSparsity()],
         )
+
+
+def _nested_masks(model):
+    return {
+        layer.name: keras.ops.convert_to_numpy(c.mask)
+        for layer, _, c in sparse_layers(model)
+    }
+
+
+def test_custom_layer_and_subclassed_model_masks_and_reload(tmp_path):
+    """The callback reaches the Dense inside a custom layer and in a
+    subclassed model; their masks are not in the .keras file (their parent
+    rebuilds them) and it says so; pruning the reloaded model again gives
+    the same masks back."""
+    model = Net(name="net")
+    x, y = (
+        np.random.default_rng(0).normal(size=(32, 8)).astype("float32"),
+        (np.arange(32) % 3),
+    )
+    model(x[:1])
+    compile_model(model)
+    with pytest.warns(UserWarning, match=r"not saved.*: dense.*same masks"):
+        model.fit(
+            x,
+            y,
+            epochs=1,
+            batch_size=16,
+            verbose=0,
+            callbacks=[StructuredSparsity()],
+        )
+    masks = _nested_masks(model)
+    assert len(masks) == 3
+    path = tmp_path / "net.keras"
+    model.save(path)
+    loaded = keras.saving.load_model(path, safe_mode=True)
+    np.testing.assert_array_equal(loaded(x), model(x))
+    assert not sparse_layers(loaded)  # the masks did not come back
+    loaded.compile(keras.optimizers.SGD(), "mse")
+    again = StructuredSparsity()
+    with pytest.warns(UserWarning, match="not saved"):
+        again.set_model(loaded)
+    again.on_train_batch_begin(0)  # what `fit` does first: prune
+    regained = _nested_masks(loaded)
+    assert [regained[k].tolist() for k in sorted(regained)] == [
+        masks[k].tolist() for k in sorted(masks)
+    ]
+    stripped = strip_sparsity(loaded)
+    np.testing.assert_array_equal(stripped(x), loaded(x))
+    assert not sparse_layers(stripped)
+
+
+@pytest.mark.slow
+def test_keras_hub_bert_and_vit_every_dense_pruned():
+    keras_hub = pytest.importorskip("keras_hub")
+    from tests.quantization.test_keras_hub import (
+        bert_classifier,
+        images,
+        tokens,
+        vit,
+    )
+
+    for model, inputs in ((bert_classifier(), tokens()), (vit(), images())):
+        out = keras.ops.convert_to_numpy(model(inputs))
+        rows = permute_for_sparsity(model)  # before pruning, as documented
+        model.compile("adam", "mse")
+        with pytest.warns(UserWarning, match="not saved"):
+            model.fit(
+                inputs,
+                np.zeros_like(out),
+                epochs=1,
+                batch_size=16,
+                verbose=0,
+                callbacks=[StructuredSparsity()],
+            )
+        dense = [
+            x
+            for x in walk_layers(model)
+            if isinstance(x, (L.Dense, L.EinsumDense))
+        ]
+        assert {id(x) for x, _, _ in sparse_layers(model)} >= {
+            id(x) for x in dense if x.name != "head"
+        }, keras_hub.__name__
+        assert not any(r.permuted for r in rows)
+        assert len(rows) >= len(dense)

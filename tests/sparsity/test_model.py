@@ -143,8 +143,8 @@ def test_strip_sparsity_bad_models():
     subclassed = Subclassed()
     subclassed(np.ones((2, 8), "float32"))
     with pytest.raises(
-        TypeError,
-        match=r"model 'subclassed' is a subclassed Subclassed.*copy the "
-        "weights over",
+        ValueError,
+        match=r"`strip_sparsity` works on a copy of Subclassed 'subclassed' "
+        r"rebuilt from its config.*Give Subclassed a `get_config\(\)`",
     ):
         strip_sparsity(subclassed)

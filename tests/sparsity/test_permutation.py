@@ -15,6 +15,7 @@ from keras_mp.sparsity.permutation import (
 )
 from keras_mp.sparsity.report import plot_sparsity, sparsity_report
 from tests.conftest import Subclassed
+from tests.quantization.test_nested import Block, Net
 
 L = keras.layers
 
@@ -230,8 +231,10 @@ def test_layers_that_cannot_follow_are_left_alone():
 
 
 def test_bad_models_and_optimizer_state():
-    with pytest.raises(TypeError, match="subclassed Subclassed"):
-        permute_for_sparsity(Subclassed())
+    rows = permute_for_sparsity(Subclassed())
+    assert [(r.permuted, r.reason) for r in rows] == [
+        (False, "layer is not built (call the model on data first)")
+    ]
     with pytest.raises(TypeError, match="Keras 3 `keras.Model`"):
         permute_for_sparsity(object())
     unbuilt = keras.Sequential([L.Dense(8), L.Dense(4)])
@@ -264,3 +267,26 @@ def test_report_and_plot_show_kept_magnitude_with_permutation(tmp_path):
     assert sparsity_report(model).rows[1].kept_magnitude_permuted is None
     path = str(tmp_path / "sparsity.png")
     assert plot_sparsity(report, path) == path
+
+
+def test_layers_no_graph_reaches_are_listed_with_the_reason():
+    """Inside a custom layer (keras-hub's blocks are such layers) or a
+    subclassed model the producer is Python code: listed, not permuted."""
+    model = Net(name="net")
+    model(np.ones((1, 8), "float32"))
+    rows = permute_for_sparsity(model)
+    assert [r.permuted for r in rows] == [False] * 3
+    block = model.block.name
+    assert [r.reason.split(":")[0] for r in rows] == [
+        "it is called by the code of net (Net), not in a layer graph",
+        f"it is called by the code of {block} (Block), not in a layer graph",
+        "it is called by the code of net (Net), not in a layer graph",
+    ]
+    assert all(0 < r.kept_magnitude < 1 for r in rows)
+    inputs = keras.Input((8,))
+    h = L.Dense(8, name="stem")(inputs)
+    functional = keras.Model(inputs, Block(8, name="blk")(L.ReLU()(h)))
+    rows = {r.name: r for r in permute_for_sparsity(functional)}
+    assert rows["stem"].reason == "its input is a model input"
+    inner = functional.get_layer("blk").fc.name
+    assert "called by the code of blk (Block)" in rows[inner].reason
