@@ -43,6 +43,7 @@ def test_every_example_has_a_smoke_test():
     assert found == TESTED, "add the new example to TESTED and test it here"
 
 
+@pytest.mark.slow  # run by .ci/run after `make test` (10-minute budget)
 def test_mixed_precision_quickstart(tmp_path, monkeypatch, capsys):
     run_example("mixed_precision_quickstart", tmp_path, monkeypatch)
     out = capsys.readouterr().out
@@ -56,6 +57,7 @@ def test_mixed_precision_quickstart(tmp_path, monkeypatch, capsys):
     assert "float16" in dtypes.values()
 
 
+@pytest.mark.slow  # run by .ci/run after `make test` (10-minute budget)
 def test_ptq_calibrate_export(tmp_path, monkeypatch, capsys):
     run_example("ptq_calibrate_export", tmp_path, monkeypatch)
     out = capsys.readouterr().out
@@ -84,6 +86,7 @@ def test_sparsity_qat(tmp_path, monkeypatch, capsys):
     assert (tmp_path / "sparsity.png").stat().st_size > 1000
 
 
+@pytest.mark.slow  # run by .ci/run after `make test` (10-minute budget)
 def test_muppet(tmp_path, monkeypatch, capsys):
     run_example("muppet", tmp_path, monkeypatch)
     out = capsys.readouterr().out
