@@ -13,3 +13,4 @@ from keras_mp.sparsity.permutation import (
     search_permutation,
 )
 from keras_mp.sparsity.report import plot_sparsity, sparsity_report
+from keras_mp.sparsity.saving import SparseModel

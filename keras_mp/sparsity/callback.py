@@ -18,6 +18,7 @@ from keras_mp.sparsity.model import (
     select_layers,
 )
 from keras_mp.sparsity.report import sparsity_report
+from keras_mp.sparsity.saving import SparseModel, attach_mask
 
 
 @keras.saving.register_keras_serializable(package="keras_mp")
@@ -31,10 +32,10 @@ class StructuredSparsity(keras.callbacks.Callback):
     XLA and `tf.distribute`). The masks are saved with the model and stay
     on after `fit`: call `strip_sparsity` to export. How and when the masks
     are made: `docs/sparsity.md`. Layers inside custom layers, subclassed
-    models and keras-hub backbones are pruned too; a `.keras` file cannot
-    keep their masks (their parent's code rebuilds them), which a warning
-    says when the masks are attached: prune the reloaded model again with
-    the same settings and it gets the same masks from the zeros.
+    models and keras-hub backbones are pruned too; their parent's code
+    rebuilds them on load, so their masks are saved in a `.keras` file
+    only through a `SparseModel` around the model (a warning says so when
+    the masks are attached to any other model).
 
     Layers that cannot be pruned are skipped and listed in `self.report`
     (a `SparsityReport`): input channels not a multiple of `n` (this
@@ -198,8 +199,7 @@ class StructuredSparsity(keras.callbacks.Callback):
                         self.pad,
                         constraint=constraint,
                     )
-                kernel.constraint = constraint
-                setattr(layer, weight.constraint, constraint)
+                attach_mask(layer, constraint)
                 added = True
             self._targets.append((kernel, constraint))
         if added:
@@ -213,6 +213,8 @@ class StructuredSparsity(keras.callbacks.Callback):
                 print(f"StructuredSparsity: skipping {row.name}: {row.reason}")
 
     def _warn_if_not_saved(self, model):
+        if isinstance(model, SparseModel):
+            return  # its config records every mask
         masked = {id(kernel) for kernel, _ in self._targets}
         lost = [
             layer.name
@@ -223,12 +225,13 @@ class StructuredSparsity(keras.callbacks.Callback):
         if lost:
             warnings.warn(
                 "StructuredSparsity: the masks of these layers are not saved "
-                "in a .keras file: their parent's code rebuilds them on "
-                "load, without the SparsityMask constraint: "
-                f"{', '.join(lost)}. "
-                "The saved kernels keep their zeros; after `load_model`, "
-                "train with the same StructuredSparsity again: it prunes "
-                "the sparse kernels to the same masks.",
+                f"when model '{model.name}' itself is saved as .keras: "
+                "their parent's code rebuilds them on load, without the "
+                f"SparsityMask constraint: {', '.join(lost)}. Save "
+                "`keras_mp.sparsity.SparseModel(model)` instead (its config "
+                "records every mask; `load_model` gives them back), or "
+                "`save_weights` and load them into a model rebuilt by the "
+                "same code after `StructuredSparsity(...).set_model(model)`.",
                 stacklevel=4,
             )
 

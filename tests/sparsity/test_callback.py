@@ -335,9 +335,10 @@ def _nested_masks(model):
 
 def test_custom_layer_and_subclassed_model_masks_and_reload(tmp_path):
     """The callback reaches the Dense inside a custom layer and in a
-    subclassed model; their masks are not in the .keras file (their parent
-    rebuilds them) and it says so; pruning the reloaded model again gives
-    the same masks back."""
+    subclassed model; saved without a `SparseModel` around it, their masks
+    are not in the .keras file (their parent rebuilds them) and it says so,
+    naming the fix; pruning the reloaded model again gives the same masks
+    back."""
     model = Net(name="net")
     x, y = (
         np.random.default_rng(0).normal(size=(32, 8)).astype("float32"),
@@ -345,7 +346,7 @@ def test_custom_layer_and_subclassed_model_masks_and_reload(tmp_path):
     )
     model(x[:1])
     compile_model(model)
-    with pytest.warns(UserWarning, match=r"not saved.*: dense.*same masks"):
+    with pytest.warns(UserWarning, match=r"not saved.*: dense.*SparseModel"):
         model.fit(
             x,
             y,

@@ -1,0 +1,190 @@
+"""`SparseModel`: a pruned model saved as its config plus a record of its
+2:4 masks.
+
+Keras rebuilds a custom layer's sublayers (and a subclassed model's or a
+keras-hub backbone's) from their parent's code, so a `SparsityMask` set on
+one of them is not in the config and would be gone on load. This
+container's config is the inner model's config plus, per masked kernel,
+its position in the layer walk and the mask's settings; `from_config`
+rebuilds the inner model, attaches the masks, and only then do the weights
+and the mask variables load.
+"""
+
+import copy
+import json
+
+import keras
+
+from keras_mp import _models, layer_table
+from keras_mp.quantization.model import _symbolic_inputs
+from keras_mp.sparsity.masks import SparsityMask
+
+
+def _walk(model):
+    return list(_models.walk_layers(model))
+
+
+def _mask_of(layer):
+    verdict = layer_table.prunable_weight(layer)
+    if not verdict.ok:
+        return None
+    kernel = getattr(layer, verdict.value.attr, None)
+    constraint = getattr(kernel, "constraint", None)
+    return constraint if isinstance(constraint, SparsityMask) else None
+
+
+def attach_mask(layer, mask):
+    """Sets `mask` (a `SparsityMask`) as the constraint of the kernel that
+    2:4 sparsity prunes in `layer` (a built layer of a supported type)."""
+    weight = layer_table.prunable_weight(layer).value
+    getattr(layer, weight.attr).constraint = mask
+    setattr(layer, weight.constraint, mask)
+
+
+def mask_record(model):
+    """The masks of `model` by walk position, and the walk's class names."""
+    walked = _walk(model)
+    masks = []
+    for index, layer in enumerate(walked):
+        mask = _mask_of(layer)
+        if mask is not None:
+            masks.append({"index": index, "mask": mask.get_config()})
+    return {"layers": [type(x).__name__ for x in walked], "masks": masks}
+
+
+def apply_mask_record(model, record):
+    """Attaches to `model` the masks `record` (from `mask_record`) lists.
+
+    Raises:
+        ValueError: the walk of `model` is not the recorded one.
+    """
+    walked = _walk(model)
+    found = [type(x).__name__ for x in walked]
+    if found != record["layers"]:
+        where = next(
+            (
+                i
+                for i, (a, b) in enumerate(zip(found, record["layers"]))
+                if a != b
+            ),
+            min(len(found), len(record["layers"])),
+        )
+        raise ValueError(
+            f"Model {model.name!r} is not the model its 2:4 masks were "
+            f"recorded for: layer {where} of its walk is "
+            f"{(found + ['(none)'])[where]}, the record says "
+            f"{(record['layers'] + ['(none)'])[where]} ({len(found)} layers "
+            f"found, {len(record['layers'])} recorded). Load the file with "
+            "the code that saved it."
+        )
+    for entry in record["masks"]:
+        layer = walked[entry["index"]]
+        have = _mask_of(layer)
+        if have is not None and have.get_config() == entry["mask"]:
+            continue  # its own config (a layer of a graph) made it already
+        attach_mask(layer, SparsityMask(**entry["mask"]))
+
+
+@keras.saving.register_keras_serializable(package="keras_mp")
+class SparseModel(keras.Model):
+    """A model whose 2:4 masks survive `.keras` save/load at any depth.
+
+    Wrap a model whose pruned layers sit inside custom layers, a subclassed
+    model or a keras-hub backbone (before or after `fit` with
+    `StructuredSparsity`) and save the wrapper:
+    `keras.saving.load_model(path, safe_mode=True)` gives back every
+    `SparsityMask` with its mask, schedule progress (`kept`) and
+    `kept_magnitude`. It calls the wrapped model (`self.model`) on its
+    inputs; its config is that model's config plus a record of which layer
+    of the walk has which mask, taken when it is saved.
+
+    Args:
+        model: a built `keras.Model` that its config rebuilds (a subclassed
+            model needs `get_config()` and registration).
+        **kwargs: `name`, `trainable`.
+
+    Raises:
+        ValueError: at save time (`get_config`), when `model` cannot be
+            rebuilt from its config as the same model.
+
+    Example:
+
+    >>> sparse = SparseModel(model)  # doctest: +SKIP
+    >>> sparse.compile("adam", "mse")  # doctest: +SKIP
+    >>> sparse.fit(x, y, callbacks=[StructuredSparsity()])  # doctest: +SKIP
+    >>> sparse.save("sparse.keras")  # doctest: +SKIP
+    """
+
+    def __init__(self, model, **kwargs):
+        inputs = _symbolic_inputs(model)
+        super().__init__(inputs=inputs, outputs=model(inputs), **kwargs)
+        self._rebuilt_config = None
+
+    @property
+    def model(self):
+        """The wrapped model."""
+        return next(
+            layer for layer in self.layers if isinstance(layer, keras.Model)
+        )
+
+    def get_config(self):
+        config = {
+            "name": self.name,
+            "trainable": self.trainable,
+            "model": keras.saving.serialize_keras_object(self.model),
+            "sparsity": mask_record(self.model),
+        }
+        self._check_rebuild(config)
+        return config
+
+    def _check_rebuild(self, config):
+        """Rebuilds the inner model from `config` and attaches the masks,
+        as loading will: a ValueError now, not a model that loads without
+        its masks."""
+        key = json.dumps(config, sort_keys=True, default=str)
+        if key == self._rebuilt_config:
+            return
+        inner = self.model
+        try:
+            rebuilt = keras.saving.deserialize_keras_object(
+                copy.deepcopy(config["model"]), safe_mode=False
+            )
+            if not rebuilt.built:
+                rebuilt.build_from_config(inner.get_build_config())
+            apply_mask_record(rebuilt, config["sparsity"])
+        except Exception as e:  # any layer's from_config can fail its own way
+            raise ValueError(
+                f"Model {self.name!r} cannot be saved with its 2:4 masks: "
+                f"{inner.name!r} ({type(inner).__name__}) cannot be rebuilt "
+                f"from its config as loading would ({type(e).__name__}: "
+                f"{e}). Give {type(inner).__name__} a `get_config()` "
+                "returning its constructor arguments and register it with "
+                "`keras.saving.register_keras_serializable()`; or save the "
+                "weights only (`model.save_weights(path)`) and load them "
+                "into a model rebuilt by the same code, after "
+                "`StructuredSparsity(...).set_model(model)`."
+            ) from e
+        want = [tuple(v.shape) for v in inner.weights]
+        got = [tuple(v.shape) for v in rebuilt.weights]
+        if want != got:
+            raise ValueError(
+                f"Model {self.name!r} cannot be saved with its 2:4 masks: "
+                f"{inner.name!r} rebuilt from its config has {len(got)} "
+                f"variables, not the {len(want)} it has now (its config "
+                "does not describe all of its layers). Make its "
+                "`get_config()` return every constructor argument, or save "
+                "the weights only (`model.save_weights(path)`)."
+            )
+        self._rebuilt_config = key
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        inner = keras.saving.deserialize_keras_object(
+            config["model"], custom_objects=custom_objects
+        )
+        apply_mask_record(inner, config["sparsity"])
+        return cls(
+            inner,
+            name=config["name"],
+            trainable=config.get("trainable", True),
+        )

@@ -1,0 +1,130 @@
+"""`SparseModel`: 2:4 masks of nested layers survive `.keras` save/load."""
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+
+from keras_mp.sparsity import (
+    SparseModel,
+    StructuredSparsity,
+    sparse_layers,
+    strip_sparsity,
+)
+from keras_mp.sparsity.saving import apply_mask_record, mask_record
+from tests.quantization.test_nested import Block, Net, NoConfig
+from tests.sparsity.conftest import compile_model
+
+L = keras.layers
+
+
+def _state(model):
+    """Per masked kernel, in walk order: mask, kept, kept_magnitude."""
+    return [
+        tuple(keras.ops.convert_to_numpy(v) for v in c._state())
+        for _, _, c in sparse_layers(model)
+    ]
+
+
+def _block_model():
+    inputs = keras.Input((8,))
+    x = L.Dense(8, name="stem")(inputs)
+    x = Block(8, name="block")(x)
+    return keras.Model(inputs, L.Dense(4, name="head")(x), name="nested")
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(32, 8)).astype("float32"), np.arange(32) % 3
+
+
+@pytest.mark.parametrize("make", [_block_model, Net], ids=["custom", "sub"])
+def test_masks_of_nested_layers_reload_bit_for_bit(make, tmp_path):
+    x, y = _data()
+    inner = make()
+    inner(x[:1])
+    model = compile_model(SparseModel(inner))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", "StructuredSparsity")  # no warning
+        model.fit(
+            x,
+            y,
+            batch_size=16,
+            verbose=0,
+            callbacks=[StructuredSparsity(schedule="gradual", end_step=2)],
+        )
+    state = _state(model)
+    assert len(state) == 3
+    assert all(int(kept) == 3 for _, kept, _ in state)  # mid-schedule
+    assert all(float(mag) < 1 for _, _, mag in state)
+    path = tmp_path / "sparse.keras"
+    model.save(path)
+    loaded = keras.saving.load_model(path, safe_mode=True)
+    assert isinstance(loaded, SparseModel)
+    got = _state(loaded)
+    assert len(got) == len(state)
+    for want, have in zip(state, got):
+        for a, b in zip(want, have):
+            np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(loaded(x), model(x))
+    # Training the loaded model keeps the masks (the constraint applies).
+    compile_model(loaded).fit(x, y, batch_size=16, verbose=0)
+    for (mask, _, _), (_, kernel, _) in zip(got, sparse_layers(loaded)):
+        assert np.all(keras.ops.convert_to_numpy(kernel)[mask == 0] == 0)
+    stripped = strip_sparsity(loaded)
+    assert not sparse_layers(stripped)
+    np.testing.assert_allclose(stripped(x), loaded(x), atol=1e-6)
+
+
+def test_model_without_config_fails_at_save(tmp_path):
+    model = NoConfig()
+    model(np.zeros((1, 8), "float32"))
+    sparse = SparseModel(model)
+    StructuredSparsity().set_model(sparse)
+    with pytest.raises(ValueError, match="cannot be saved with its 2:4 masks"):
+        sparse.save(tmp_path / "x.keras")
+
+
+def test_record_of_another_model_is_rejected():
+    x, _ = _data()
+    net = Net(name="net")
+    net(x[:1])
+    with pytest.warns(UserWarning, match="SparseModel"):
+        StructuredSparsity().set_model(net)
+    other = _block_model()
+    with pytest.raises(ValueError, match="not the model its 2:4 masks"):
+        apply_mask_record(other, mask_record(net))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, count", [("bert", 14), ("vit", 12)])
+def test_keras_hub_masks_reload_bit_for_bit(name, count, tmp_path):
+    pytest.importorskip("keras_hub")
+    from tests.quantization import test_keras_hub as hub
+
+    if name == "bert":
+        model, inputs = hub.bert_classifier(), hub.tokens(16)
+    else:
+        model, inputs = hub.vit(), hub.images(16)
+    model = SparseModel(model)
+    model.compile("adam", "mse")
+    out = keras.ops.convert_to_numpy(model(inputs))
+    model.fit(
+        inputs,
+        np.zeros_like(out),
+        batch_size=16,
+        verbose=0,
+        callbacks=[StructuredSparsity()],
+    )
+    state = _state(model)
+    assert len(state) == count
+    path = tmp_path / f"{name}.keras"
+    model.save(path)
+    loaded = keras.saving.load_model(path, safe_mode=True)
+    got = _state(loaded)
+    assert len(got) == count
+    for want, have in zip(state, got):
+        for a, b in zip(want, have):
+            np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(loaded(inputs), model(inputs))
