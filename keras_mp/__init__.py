@@ -73,6 +73,7 @@ from keras_mp.quantization import (
     strip_quantization,
 )
 from keras_mp.sparsity import (
+    SparseModel,
     StructuredSparsity,
     is_2_4_sparse,
     permute_for_sparsity,
