@@ -117,7 +117,7 @@ def run_demo(output="demo-report", quick=False, overwrite=False):
 
     Args:
         output: str. Report folder. Defaults to `"demo-report"`.
-        quick: bool. About 90 s on 2 CPU cores, on 6,000 images. Defaults
+        quick: bool. About two minutes on 2 CPU cores, on 6,000 images. Defaults
             to False.
         overwrite: bool. Replace an existing report. Defaults to False.
 
@@ -273,7 +273,7 @@ def demo_command_parser(subparsers):
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="about 90 s on 2 CPU cores: 6,000 images",
+        help="about two minutes on 2 CPU cores: 6,000 images",
     )
     parser.add_argument(
         "--overwrite",
