@@ -152,11 +152,13 @@ def mobilenet(tmp_path_factory):
     }
 
 
+@pytest.mark.slow  # run by .ci/run after `make test` (10-minute budget)
 def test_mobilenet_was_fine_tuned_in_bfloat16(mobilenet):
     assert half_compute_dtype(mobilenet["qmodel"]) == "bfloat16"
     assert mobilenet["trained"] and np.isfinite(mobilenet["loss"])
 
 
+@pytest.mark.slow  # run by .ci/run after `make test` (10-minute budget)
 def test_mobilenet_float32_graph_is_lint_clean_and_float32(mobilenet):
     path = mobilenet["f32"]
     lint = keras_mp.check_tensorrt(path)
@@ -170,6 +172,7 @@ def test_mobilenet_float32_graph_is_lint_clean_and_float32(mobilenet):
     assert out[0].shape == (8, 10) and np.all(np.isfinite(out[0]))
 
 
+@pytest.mark.slow  # run by .ci/run after `make test` (10-minute budget)
 def test_mobilenet_float16_graph_is_strongly_typed_and_lint_clean(mobilenet):
     path = mobilenet["f16"]
     lint = keras_mp.check_tensorrt(path)
