@@ -15,35 +15,9 @@ import os
 
 import keras
 
-from keras_mp import io
+from keras_mp import _models, io
 from keras_mp.quantization import twins
 from keras_mp.quantization.recipe import Recipe, apply_recipe
-
-
-def _symbolic_inputs(model):
-    """Fresh `keras.Input`s shaped like `model`'s inputs (its build shape
-    for a subclassed model)."""
-    try:
-        structure = model.input
-    except (AttributeError, ValueError):
-        structure = None
-    if structure is not None:
-        return keras.tree.map_structure(
-            lambda t: keras.Input(
-                batch_shape=t.shape, dtype=t.dtype, name=t.name
-            ),
-            structure,
-        )
-    shape = (model.get_build_config() or {}).get("input_shape")
-    if shape is None:
-        raise ValueError(
-            f"Model {model.name!r} has never been called, so its inputs are "
-            "unknown. Call it once on a batch (or `model.build(shape)`) "
-            "before quantizing it."
-        )
-    return keras.tree.map_shape_structure(
-        lambda s: keras.Input(batch_shape=tuple(s)), shape
-    )
 
 
 @keras.saving.register_keras_serializable(package="keras_mp")
@@ -76,7 +50,7 @@ class QuantizedModel(keras.Model):
     def __init__(self, model, recipe, **kwargs):
         if isinstance(recipe, dict):
             recipe = Recipe.from_config(recipe)
-        inputs = _symbolic_inputs(model)
+        inputs = _models.symbolic_inputs(model)
         super().__init__(inputs=inputs, outputs=model(inputs), **kwargs)
         self.recipe = recipe
         self._rebuilt_config = None

@@ -16,7 +16,6 @@ import json
 import keras
 
 from keras_mp import _models, layer_table
-from keras_mp.quantization.model import _symbolic_inputs
 from keras_mp.sparsity.masks import SparsityMask
 
 
@@ -116,7 +115,7 @@ class SparseModel(keras.Model):
     """
 
     def __init__(self, model, **kwargs):
-        inputs = _symbolic_inputs(model)
+        inputs = _models.symbolic_inputs(model)
         super().__init__(inputs=inputs, outputs=model(inputs), **kwargs)
         self._rebuilt_config = None
 
