@@ -1,4 +1,10 @@
-"""`keras-mp demo --quick` end to end: the report says what happened."""
+"""`keras-mp demo --quick` end to end: the report says what happened.
+
+The quick demo trains, calibrates and exports for about two minutes, so
+these tests are marked `slow`: `.ci/run` runs them right after `make test`
+(whose 10-minute budget they would break). The refusal to overwrite a
+report needs no demo run and stays in `make test`.
+"""
 
 import json
 import math
@@ -18,6 +24,7 @@ def quick_report(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_report_covers_every_method(quick_report):
     results = json.loads((quick_report / "results.json").read_text())
     assert results["data"].startswith("Fashion-MNIST")
@@ -53,6 +60,7 @@ def test_report_covers_every_method(quick_report):
         assert f"Dynamic loss scaling ({steps} mixed_float16 steps" in report
 
 
+@pytest.mark.slow
 def test_vit_row(quick_report):
     """The quick ViT row: a trained keras-hub ViT quantized in place, every
     weighted op and all four attention matmuls (2 layers: Q x K and
@@ -80,6 +88,7 @@ def test_vit_row(quick_report):
     assert "| vit_ptq_percentile |" in report and "18 / 18 | 4 / 4" in report
 
 
+@pytest.mark.slow
 def test_loss_scale_probe_is_consistent(quick_report):
     """A CPU trains in float32 or bfloat16, so a short mixed_float16 run of
     a copy shows dynamic loss scaling; its figures must add up."""
@@ -105,8 +114,17 @@ def test_loss_scale_probe_is_consistent(quick_report):
     assert probe["final_scale"] == history[-1]
 
 
-def test_rerun_never_loses_a_report(quick_report, capsys):
-    before = (quick_report / "report.md").read_text()
-    assert cli.main(["demo", "--quick", "--output", str(quick_report)]) == 2
+def test_rerun_never_loses_a_report(tmp_path, capsys):
+    """A second run into the same folder is refused before any training,
+    and the earlier report is left as it was."""
+    earlier = tmp_path / "report"
+    earlier.mkdir()
+    (earlier / "report.md").write_text("# an earlier demo report\n")
+    (earlier / "results.json").write_text("{}")
+    assert cli.main(["demo", "--quick", "--output", str(earlier)]) == 2
     assert "--overwrite" in capsys.readouterr().err
-    assert (quick_report / "report.md").read_text() == before
+    assert (earlier / "report.md").read_text() == "# an earlier demo report\n"
+    assert sorted(p.name for p in earlier.iterdir()) == [
+        "report.md",
+        "results.json",
+    ]
