@@ -394,7 +394,8 @@ def placement(path):
     """Q/DQ placement of an INT8 ONNX by `keras_mp.check_tensorrt`.
 
     Returns:
-        dict: `lint_ok`, `violations`, `qdq_nodes`, `weighted_ops`,
+        dict: `lint_ok`, `violations`, `warnings` (the lint's warnings
+        counted by rule), `qdq_nodes`, `weighted_ops`,
         `weighted_quantized` (Conv, ConvTranspose, MatMul, Gemm with a
         DequantizeLinear on both inputs), `coverage`, and `left_float`: per
         weighted op left without a DQ on both inputs, `"<op type> <node>"`.
@@ -408,6 +409,7 @@ def placement(path):
     return {
         "lint_ok": report.ok,
         "violations": len(report.violations),
+        "warnings": _count_rules(report.warnings),
         "qdq_nodes": report.num_qdq,
         "weighted_ops": report.weighted_ops,
         "weighted_quantized": report.weighted_ops_quantized,
@@ -418,6 +420,21 @@ def placement(path):
             if not all(graph.quantized_inputs(op))
         ],
     }
+
+
+def _count_rules(findings):
+    """{rule: number of findings}, rules in the order they first fire."""
+    counts = {}
+    for finding in findings:
+        counts[finding.rule] = counts.get(finding.rule, 0) + 1
+    return counts
+
+
+def _warnings_text(counts):
+    """`{"residual_add": 2}` -> "residual_add 2"; {} -> "none"."""
+    if counts is None:
+        return "-"
+    return ", ".join(f"{rule} {n}" for rule, n in counts.items()) or "none"
 
 
 def _onnx_input_names(path):
@@ -488,7 +505,8 @@ def measure(name, directory, modelopt_venv=None, int8=True):
         dict: `source` (keras.applications or keras-hub), `params`;
         `float_error` (None when the float export and its parity check
         ran), `float_rel_l2`, `float_top1`, `float_seconds`;
-        `int8_error`, `int8_lint_ok`, `int8_violations`, `qdq_nodes`,
+        `int8_error`, `int8_lint_ok`, `int8_violations`,
+        `int8_warnings`, `qdq_nodes`,
         `weighted_ops`, `weighted_quantized`, `coverage`, `left_float`,
         `int8_rel_l2`, `int8_seconds`; the `modelopt_*` keys of
         `measure_modelopt` with `modelopt_venv`; `logits_rms`, the root
@@ -564,6 +582,7 @@ def _measure_int8(model, x, x_test, path):
         int8_error=None,
         int8_lint_ok=None,
         int8_violations=None,
+        int8_warnings=None,
         qdq_nodes=None,
         weighted_ops=None,
         weighted_quantized=None,
@@ -581,6 +600,7 @@ def _measure_int8(model, x, x_test, path):
         row.update(
             int8_lint_ok=found.pop("lint_ok"),
             int8_violations=found.pop("violations"),
+            int8_warnings=found.pop("warnings"),
             **found,
         )
         parity = keras_mp.verify_onnx(
@@ -609,6 +629,7 @@ def _table(rows):
         "rel L2 to float64: Keras / ONNX",
         "INT8 export",
         "INT8 lint",
+        "INT8 lint warnings",
         "Q/DQ nodes",
         "weighted ops quantized / total",
         "coverage %",
@@ -648,6 +669,7 @@ def _table(rows):
                 f"{_fmt(r.get('onnx_vs_float64'), '.1e')}",
                 f"error: `{r['int8_error']}`" if r["int8_error"] else "ok",
                 lint,
+                _warnings_text(r.get("int8_warnings")),
                 _fmt(r["qdq_nodes"], "d"),
                 counts,
                 "-" if coverage is None else f"{100 * coverage:.1f}",
@@ -749,6 +771,8 @@ def _placement_table(rows):
                 if r["modelopt_lint_ok"]
                 else f"FAIL ({r['modelopt_violations']})"
             )
+            if r.get("modelopt_warnings") is not None:
+                lint += f"; warnings: {_warnings_text(r['modelopt_warnings'])}"
         verdict = economy_verdict(r) or "-"
         body.append(
             [
@@ -845,6 +869,9 @@ def main():
         float_parity_verdict(r) == "ok (float32 noise)" for r in rows
     )
     lint_ok = sum(bool(r["int8_lint_ok"]) for r in rows)
+    # Rows measured before the warnings were recorded have none.
+    counted = [r for r in rows if r.get("int8_warnings") is not None]
+    quiet = sum(not r["int8_warnings"] for r in counted)
     full = sum(r["coverage"] == 1.0 for r in rows)
     summary = (
         f"{len(rows)} models; float export with relative L2 <= 1e-4 on "
@@ -852,8 +879,10 @@ def main():
         f"{float_ok}/{len(rows)}, and {float_noise} more within float32's "
         f"own rounding (ONNX Runtime no further than {FLOAT32_NOISE_FACTOR}x "
         "Keras float32 from the model computed in float64); INT8 export "
-        "lint-clean: "
-        f"{lint_ok}/{len(rows)}; every weighted op behind Q/DQ: "
+        "lint-clean (no violation): "
+        f"{lint_ok}/{len(rows)}, and without any lint warning: {quiet} of "
+        f"the {len(counted)} rows that record warnings ('-': a row measured "
+        "before they were recorded); every weighted op behind Q/DQ: "
         f"{full}/{len(rows)}. Random weights, logits "
         f"(`classifier_activation=None`) or backbone features; INT8 "
         f"calibrated (max) on {CALIBRATION} random inputs (images; token "

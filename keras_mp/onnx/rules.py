@@ -346,6 +346,15 @@ def _qdq_is_used(graph, dq):
     return False
 
 
+def _data_input(graph, node):
+    """The run-time input of a two-input `node` whose other input is a
+    constant (a bias add, a BatchNorm scale), else None."""
+    if len(node.input) != 2:
+        return None
+    consts = [graph.trace(t).name is not None for t in node.input]
+    return node.input[consts.index(False)] if consts.count(True) == 1 else None
+
+
 def _from_quantized_weighted_op(graph, tensor):
     """The quantized weighted op behind `tensor`, through a BatchNormalization
     or the Mul/Add-by-constant pair tf2onnx decomposes an inference-mode
@@ -356,11 +365,11 @@ def _from_quantized_weighted_op(graph, tensor):
             break
         if node.op_type == "BatchNormalization":
             node = graph.producers.get(node.input[0])
-        elif node.op_type in ("Mul", "Add") and len(node.input) == 2:
-            consts = [graph.trace(t).name is not None for t in node.input]
-            if consts.count(True) != 1:
+        elif node.op_type in ("Mul", "Add"):
+            data = _data_input(graph, node)
+            if data is None:
                 break
-            node = graph.producers.get(node.input[consts.index(False)])
+            node = graph.producers.get(data)
         else:
             break
     if node is None or node.op_type not in WEIGHT_SLOTS:
@@ -368,7 +377,61 @@ def _from_quantized_weighted_op(graph, tensor):
     return node if any(graph.quantized_inputs(node)) else None
 
 
+# Ops TensorRT fuses after a Conv+Add, or that keep the values' scale up
+# to the next QuantizeLinear (`_feeds_quantize` walks them): activations,
+# BatchNormalization, and (tf2onnx's inference BatchNorm) arithmetic with a
+# constant.
+EPILOGUE_OPS = frozenset(
+    "Relu LeakyRelu Clip Sigmoid Tanh HardSigmoid HardSwish "
+    "BatchNormalization".split()
+)
+AFFINE_OPS = frozenset({"Mul", "Add", "Sub", "Div"})
+
+
+def _feeds_quantize(graph, tensor):
+    """Whether `tensor` reaches a QuantizeLinear, directly or through
+    `PASS_THROUGH_OPS`, `EPILOGUE_OPS` and arithmetic with a constant:
+    whether the op producing it can write INT8 for its consumer."""
+    pending, seen = [tensor], set()
+    while pending:
+        for node, _ in graph.consumers.get(pending.pop(), []):
+            if node.op_type == "QuantizeLinear":
+                return True
+            if id(node) in seen:
+                continue
+            if node.op_type in PASS_THROUGH_OPS | EPILOGUE_OPS or (
+                node.op_type in AFFINE_OPS and _data_input(graph, node)
+            ):
+                seen.add(id(node))
+                pending.append(node.output[0])
+    return False
+
+
 def _rule_residual_add(graph):
+    """A residual Add where TensorRT's INT8 Conv+Add fusion is possible and
+    useful, but the graph blocks it.
+
+    The pattern (TensorRT developer guide, "Q/DQ Layer-Placement
+    Recommendations", figures 6 and 7): a quantized weighted op, through
+    its BatchNorm, feeds one input of an Add; the other (skip) input is
+    quantized; the Add's output, through activations, BatchNorm or layout
+    ops, reaches a QuantizeLinear. TensorRT then runs op + Add as one INT8
+    kernel whose INT8 output absorbs that Q. With a float skip input the
+    fused output is float and the Q runs as a kernel of its own: the rule
+    asks for Q/DQ on the skip input.
+
+    An Add whose output reaches no QuantizeLinear is not flagged: its
+    fused output is float whatever the skip input, so a skip Q/DQ adds a
+    Q and a DQ and fuses into nothing. That is the residual Add of a
+    transformer block, which feeds a LayerNormalization run in float;
+    ModelOpt's ONNX PTQ does not use this pattern there either (its
+    `get_fusible_backbone` in `modelopt/onnx/quantization/graph_utils.py`
+    only knows Conv and ConvTranspose backbones; docs/quantization.md has
+    what was measured).
+
+    An Add with one input quantized and neither from a quantized weighted
+    op is flagged too: quantize both or neither.
+    """
     for node in graph.nodes:
         if node.op_type != "Add" or len(node.input) != 2:
             continue
@@ -381,10 +444,13 @@ def _rule_residual_add(graph):
             if quantized[j] or ops[j] is not None:
                 continue
             if ops[i] is not None:
+                if not _feeds_quantize(graph, node.output[0]):
+                    continue  # a float output: no INT8 fusion to enable
                 reason = (
                     f"put Q/DQ on the skip input '{node.input[j]}' so "
                     f"TensorRT fuses {ops[i].op_type} '{graph.name(ops[i])}' "
-                    "and this Add into one INT8 kernel."
+                    "and this Add into one INT8 kernel (the Add's output is "
+                    "quantized next)."
                 )
             elif quantized[i]:
                 reason = (

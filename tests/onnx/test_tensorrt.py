@@ -562,11 +562,28 @@ def test_output_qdq_on_a_residual_skip_input(fusable):
 
 
 def test_residual_add_with_unquantized_skip_warns():
+    # Conv -> Add -> Q/DQ -> Conv: the Add's output is quantized next, so a
+    # quantized skip input lets TensorRT run Conv + Add as one INT8 kernel
+    # (tests/onnx/test_rules.py has the cases where it cannot).
     model = conv_model()
     conv = next(n for n in model.graph.node if n.name == "conv")
     conv.output[0] = "c"
     conv.attribute.extend([helper.make_attribute("pads", [1, 1, 1, 1])])
-    model.graph.node.extend([helper.make_node("Add", ["c", "x"], ["y"], "add")])
+    model.graph.node.extend(
+        [
+            helper.make_node("Add", ["c", "x"], ["sum"], "add"),
+            helper.make_node(
+                "QuantizeLinear", ["sum", "x_scale", "x_zp"], ["sq"], "q_sum"
+            ),
+            helper.make_node(
+                "DequantizeLinear", ["sq", "x_scale", "x_zp"], ["sdq"], "dq_sum"
+            ),
+            helper.make_node("Conv", ["sdq", "wdq", "b"], ["y"], "conv2"),
+        ]
+    )
+    ort.InferenceSession(model.SerializeToString()).run(
+        None, {"x": np.ones((1, 8, 6, 6), np.float32)}
+    )
     report = check_tensorrt(model)
     assert report.ok
     assert _fired(report, "residual_add", warnings=True) == {"add"}

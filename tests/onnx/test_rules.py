@@ -1,0 +1,232 @@
+"""The residual-Add rule: which Adds it flags, on small graphs ONNX Runtime
+runs, and on a keras-hub-style block exported by keras_mp.
+
+TensorRT's Conv+Add fusion takes an INT8 skip input when the Add's output is
+quantized next (a Q before the next weighted op); a transformer's residual
+Add feeds a LayerNormalization in float, where a skip Q/DQ fuses into
+nothing (`_rule_residual_add`'s docstring has the sources).
+"""
+
+import keras
+import numpy as np
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import keras_mp
+from keras_mp.onnx.tensorrt import check_tensorrt
+
+RNG = np.random.default_rng(0)
+
+
+def _qdq(tensor, name):
+    """Q/DQ of `tensor` with scale `s`, zero point `zp`; returns the nodes
+    and the dequantized tensor."""
+    nodes = [
+        helper.make_node(
+            "QuantizeLinear", [tensor, "s", "zp"], [f"{name}_q"], f"q_{name}"
+        ),
+        helper.make_node(
+            "DequantizeLinear",
+            [f"{name}_q", "s", "zp"],
+            [f"{name}_dq"],
+            f"dq_{name}",
+        ),
+    ]
+    return nodes, f"{name}_dq"
+
+
+def _weight(name, shape, axis):
+    """An INT8 weight with its per-channel DQ; returns the node, the tensor
+    and the initializers."""
+    channels = shape[axis]
+    inits = {
+        f"{name}_q": RNG.integers(-100, 100, shape).astype(np.int8),
+        f"{name}_s": np.full(channels, 0.01, np.float32),
+        f"{name}_zp": np.zeros(channels, np.int8),
+    }
+    node = helper.make_node(
+        "DequantizeLinear",
+        list(inits),
+        [f"{name}_dq"],
+        f"dq_{name}",
+        axis=axis,
+    )
+    return node, f"{name}_dq", inits
+
+
+def _residual(kind, after, skip_quantized=False, batchnorm=False):
+    """x -> Q/DQ -> weighted op [-> BatchNorm] -> Add(., skip) -> `after`.
+
+    `kind`: "conv" (x of shape (1, 8, 6, 6), 3x3 Conv) or "dense" (x of
+    shape (1, 4, 8), MatMul + bias). The skip input is x, quantized by the
+    same Q/DQ as the op's input when `skip_quantized`. `after`: "qdq_op"
+    (Relu, Q/DQ, the same weighted op again: the next layer's INT8 input),
+    "layernorm" (LayerNormalization in float, then Q/DQ and the op: a
+    transformer block), or "output" (the Add is the graph output).
+    """
+    inits = {"s": np.float32(0.05), "zp": np.int8(0)}
+    nodes, xdq = _qdq("x", "x")
+    if kind == "conv":
+        shape = [1, 8, 6, 6]
+        dq, w, values = _weight("w", (8, 8, 3, 3), 0)
+        inits.update(values, b=np.zeros(8, np.float32))
+
+        def op(tensor, out):
+            return [
+                helper.make_node(
+                    "Conv", [tensor, w, "b"], [out], out, pads=[1] * 4
+                )
+            ]
+
+    else:
+        shape = [1, 4, 8]
+        dq, w, values = _weight("w", (8, 8), 1)
+        inits.update(values, b=np.zeros(8, np.float32))
+
+        def op(tensor, out):
+            return [
+                helper.make_node("MatMul", [tensor, w], [f"{out}_mm"], out),
+                helper.make_node(
+                    "Add", [f"{out}_mm", "b"], [out], f"{out}_bias"
+                ),
+            ]
+
+    nodes += [dq] + op(xdq, "main")
+    main = "main"
+    if batchnorm:
+        inits.update(
+            gamma=np.ones(8, np.float32),
+            beta=np.zeros(8, np.float32),
+            mean=np.zeros(8, np.float32),
+            var=np.ones(8, np.float32),
+        )
+        nodes.append(
+            helper.make_node(
+                "BatchNormalization",
+                ["main", "gamma", "beta", "mean", "var"],
+                ["bn"],
+                "bn",
+            )
+        )
+        main = "bn"
+    skip = xdq if skip_quantized else "x"
+    nodes.append(helper.make_node("Add", [main, skip], ["sum"], "add"))
+    if after == "qdq_op":
+        nodes.append(helper.make_node("Relu", ["sum"], ["act"], "relu"))
+        more, actdq = _qdq("act", "act")
+        nodes += more + op(actdq, "y")
+    elif after == "layernorm":
+        width = shape[-1]  # normalized over the last axis
+        inits.update(
+            ln_g=np.ones(width, np.float32), ln_b=np.zeros(width, np.float32)
+        )
+        nodes.append(
+            helper.make_node(
+                "LayerNormalization", ["sum", "ln_g", "ln_b"], ["ln"], "ln"
+            )
+        )
+        more, lndq = _qdq("ln", "ln")
+        nodes += more + op(lndq, "y")
+    else:
+        nodes.append(helper.make_node("Identity", ["sum"], ["y"], "out"))
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)],
+        [numpy_helper.from_array(np.asarray(v), k) for k, v in inits.items()],
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 17)]
+    )
+    ort.InferenceSession(model.SerializeToString()).run(
+        None, {"x": RNG.random(shape, dtype=np.float32)}
+    )
+    return model
+
+
+def _residual_findings(model):
+    report = check_tensorrt(model)
+    assert report.ok, str(report)
+    return [f for f in report.warnings if f.rule == "residual_add"]
+
+
+@pytest.mark.parametrize("batchnorm", [False, True], ids=["conv", "conv_bn"])
+def test_conv_add_feeding_a_quantized_conv_needs_the_skip_qdq(batchnorm):
+    # ResNet's block: Conv [-> BN] -> Add -> Relu -> Q/DQ -> Conv. With the
+    # skip quantized, TensorRT runs Conv + Add as one INT8 kernel.
+    found = _residual_findings(_residual("conv", "qdq_op", batchnorm=batchnorm))
+    assert [f.node for f in found] == ["add"]
+    assert "skip input 'x'" in found[0].message
+    assert "Conv 'main'" in found[0].message
+    clean = _residual(
+        "conv", "qdq_op", skip_quantized=True, batchnorm=batchnorm
+    )
+    assert _residual_findings(clean) == []
+
+
+def test_dense_add_feeding_a_quantized_gemm_is_flagged_too():
+    # The fusion is about the consumer, not the op type: a GEMM + Add whose
+    # output is quantized next can write INT8 as a Conv + Add does.
+    found = _residual_findings(_residual("dense", "qdq_op"))
+    assert [f.node for f in found] == ["add"]
+    assert "MatMul 'main'" in found[0].message
+
+
+@pytest.mark.parametrize("kind", ["dense", "conv"])
+@pytest.mark.parametrize("after", ["layernorm", "output"])
+def test_add_with_a_float_output_is_not_flagged(kind, after):
+    # A transformer's residual Add feeds a LayerNormalization in float (or
+    # the Add is a graph output): the fused output is float whatever the
+    # skip input, so a skip Q/DQ would only add a Q and a DQ.
+    assert _residual_findings(_residual(kind, after)) == []
+
+
+def test_one_quantized_input_without_a_weighted_op_is_still_flagged():
+    # x's Q/DQ on one side, x itself on the other, no weighted op before
+    # the Add: quantize both or neither, whatever follows the Add.
+    model = _residual("conv", "output")
+    add = next(n for n in model.graph.node if n.name == "add")
+    add.input[0] = "x_dq"
+    found = _residual_findings(model)
+    assert [f.node for f in found] == ["add"]
+    assert "quantize both or neither" in found[0].message
+
+
+@keras.saving.register_keras_serializable(package="keras_mp_tests")
+class _Block(keras.layers.Layer):
+    """A post-LayerNorm transformer sublayer written as keras-hub writes
+    it: `LayerNorm(x + Dense(x))`, the residual Add a plain `+`."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(8)
+        self.norm = keras.layers.LayerNormalization()
+
+    def build(self, input_shape):
+        self.dense.build(input_shape)
+        self.norm.build(input_shape)
+
+    def call(self, x):
+        return self.norm(x + self.dense(x))
+
+
+def test_keras_hub_style_residual_add_exports_lint_clean(tmp_path):
+    # In-place quantization of a custom layer (keras-hub's route), exported
+    # by tf2onnx, which decomposes LayerNormalization into pooling and
+    # arithmetic: the Dense -> Add -> LayerNorm residual is not flagged,
+    # and the next Dense's input still has its Q/DQ.
+    # 2-D features: tf2onnx lowers the Dense to MatMul + bias, no Reshape
+    # between it and the Add (as keras-hub's attention output projection).
+    inputs = keras.Input((8,))
+    x = _Block()(_Block()(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(3)(x))
+    data = RNG.random((16, 8), dtype=np.float32)
+    qmodel = keras_mp.quantize_model(model)
+    keras_mp.calibrate(qmodel, data, verbose=0)
+    path = str(tmp_path / "block.onnx")
+    keras_mp.export_onnx(qmodel, path, verify_data=data)
+    report = check_tensorrt(path)
+    assert report.ok and report.warnings == [], str(report)
+    assert report.weighted_ops == report.weighted_ops_quantized == 3
