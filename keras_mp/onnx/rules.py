@@ -358,12 +358,14 @@ def _data_input(graph, node):
 def _from_quantized_weighted_op(graph, tensor):
     """The quantized weighted op behind `tensor`, through a BatchNormalization
     or the Mul/Add-by-constant pair tf2onnx decomposes an inference-mode
-    Keras BatchNormalization into (TensorRT folds both into the conv)."""
+    Keras BatchNormalization into (TensorRT folds both into the conv), and
+    through layout ops (the NHWC/NCHW Transposes tf2onnx leaves when its
+    transpose optimizer is skipped, a MatMul's output Reshape)."""
     node = graph.producers.get(tensor)
-    for _ in range(4):
+    for _ in range(8):
         if node is None:
             break
-        if node.op_type == "BatchNormalization":
+        if node.op_type == "BatchNormalization" or node.op_type in LAYOUT_OPS:
             node = graph.producers.get(node.input[0])
         elif node.op_type in ("Mul", "Add"):
             data = _data_input(graph, node)

@@ -55,7 +55,7 @@ def _weight(name, shape, axis):
     return node, f"{name}_dq", inits
 
 
-def _residual(kind, after, skip_quantized=False, batchnorm=False):
+def _residual(kind, after, skip_quantized=False, batchnorm=False, layout=False):
     """x -> Q/DQ -> weighted op [-> BatchNorm] -> Add(., skip) -> `after`.
 
     `kind`: "conv" (x of shape (1, 8, 6, 6), 3x3 Conv) or "dense" (x of
@@ -94,6 +94,16 @@ def _residual(kind, after, skip_quantized=False, batchnorm=False):
 
     nodes += [dq] + op(xdq, "main")
     main = "main"
+    if layout:  # NHWC and back, as tf2onnx leaves them without its optimizer
+        nodes += [
+            helper.make_node(
+                "Transpose", [main], ["nhwc"], "t1", perm=[0, 2, 3, 1]
+            ),
+            helper.make_node(
+                "Transpose", ["nhwc"], ["nchw"], "t2", perm=[0, 3, 1, 2]
+            ),
+        ]
+        main = "nchw"
     if batchnorm:
         inits.update(
             gamma=np.ones(8, np.float32),
@@ -104,7 +114,7 @@ def _residual(kind, after, skip_quantized=False, batchnorm=False):
         nodes.append(
             helper.make_node(
                 "BatchNormalization",
-                ["main", "gamma", "beta", "mean", "var"],
+                [main, "gamma", "beta", "mean", "var"],
                 ["bn"],
                 "bn",
             )
@@ -164,6 +174,23 @@ def test_conv_add_feeding_a_quantized_conv_needs_the_skip_qdq(batchnorm):
         "conv", "qdq_op", skip_quantized=True, batchnorm=batchnorm
     )
     assert _residual_findings(clean) == []
+
+
+@pytest.mark.parametrize("skip_quantized", [False, True])
+def test_conv_side_is_found_through_layout_transposes(skip_quantized):
+    # MobileNetV3Small: tf2onnx's transpose optimizer crashes and is
+    # skipped, leaving Conv -> Transpose -> BatchNorm -> Add. The Conv is
+    # still the Add's weighted side: a quantized skip is clean (it used to
+    # read as "one quantized input, no weighted op"), a float one flagged.
+    model = _residual(
+        "conv", "qdq_op", skip_quantized, batchnorm=True, layout=True
+    )
+    found = _residual_findings(model)
+    if skip_quantized:
+        assert found == []
+    else:
+        assert [f.node for f in found] == ["add"]
+        assert "Conv 'main'" in found[0].message
 
 
 def test_dense_add_feeding_a_quantized_gemm_is_flagged_too():

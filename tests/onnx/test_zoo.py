@@ -44,6 +44,7 @@ def _check_float(row):
 def _check_int8(row):
     assert row["int8_error"] is None, row["int8_error"]
     assert row["int8_lint_ok"], row
+    assert not row["int8_warnings"], row["int8_warnings"]  # lint-clean
     assert row["weighted_ops"] > 0
     assert row["weighted_quantized"] == row["weighted_ops"], row
     # ONNX Runtime ran the INT8 graph (its relative L2 is information)
