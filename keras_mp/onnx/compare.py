@@ -1,19 +1,24 @@
 """Keras vs ONNX Runtime layer by layer: `compare_onnx` says where an
 exported graph starts to disagree with the model (`docs/compare.md`)."""
 
+import contextlib
 import dataclasses
+import itertools
+import math
 import os
 
 import numpy as np
 
 from keras_mp import _inputs as _inputs_mod
 from keras_mp._compat import optional_import
-from keras_mp._models import check_graph_model
+from keras_mp._models import check_graph_model, walk_layers
 from keras_mp.onnx.parity import ort_session, run_session
-from keras_mp.quantization.layers import QuantizeWrapper
+from keras_mp.quantization.layers import QuantizeActivation, QuantizeWrapper
 from keras_mp.quantization.quantizers import fake_quant
+from keras_mp.quantization.twins import WeightQuantizer
 
 _FLOAT_TYPES = (1, 10, 11)  # onnx.TensorProto FLOAT, FLOAT16, DOUBLE
+_NOT_CALLED = "not called when the model runs at inference"
 
 
 @dataclasses.dataclass
@@ -117,41 +122,134 @@ def _inputs(model, data, samples):
     return [x[:samples] for x in arrays] if samples else arrays
 
 
-def _probe(model, layers):
-    """Traces `model.inputs -> [each layer's output and inputs]`.
+@dataclasses.dataclass
+class _Call:
+    """One layer call seen while tracing the model: where its output (and,
+    for a `QuantizeWrapper`, its quantized inputs) sit among the traced
+    function's outputs."""
 
-    Returns the traced function and, per probe output, its TensorFlow
-    name scope below the root: the one tf2onnx names that layer's ONNX
-    nodes after (the trace uniquifies scopes the way an export's does).
-    """
+    layer: object
+    name: str
+    scope: str
+    tensor: str
+    output: int
+    inputs: tuple = ()
+
+
+def _reachable(model):
+    """(layer, path) for every layer inside `model` a report can compare:
+    nested models and the layers inside custom layers included, a
+    `QuantizeWrapper` as one layer, input layers and weight quantizers (a
+    weight's Q/DQ is an initializer, checked at its layer's output) left
+    out. Paths are the names from the model down, made unique."""
+    import keras
+
+    found, paths = [], set()
+    for layer, parents in walk_layers(
+        model,
+        include_models=True,
+        stop_at=(QuantizeWrapper,),
+        with_parents=True,
+    ):
+        if isinstance(layer, (keras.layers.InputLayer, WeightQuantizer)):
+            continue
+        path = base = "/".join(p.name for p in parents + (layer,))
+        k = 1
+        while path in paths:  # keras-hub repeats names (`dropout`)
+            k += 1
+            path = f"{base} #{k}"
+        paths.add(path)
+        found.append((layer, path))
+    return found
+
+
+@contextlib.contextmanager
+def _recording(layers, calls, fetched, graph):
+    """Within the block, each layer's `call` also appends its output (its
+    first floating tensor) to `fetched` and a `_Call` to `calls`, in the
+    order the calls finish (inner layers before the layer holding them)."""
     import keras
     import tensorflow as tf
 
-    outputs, index = [], []
-    for layer in layers:
-        outputs.append(layer.output)
-        if isinstance(layer, QuantizeWrapper) and layer.input_quantizers:
-            ins = layer.input
-            ins = list(ins) if isinstance(ins, (list, tuple)) else [ins]
-            outputs += [ins[i] for i in layer.input_indices]
-        index.append(len(outputs))
-    probe = keras.Model(model.inputs, outputs, name="compare_probe")
-    scopes = []
+    count = {}
+
+    def hook(layer, path, call):
+        def recorded(*args, **kwargs):
+            out = call(*args, **kwargs)
+            floats = [
+                t
+                for t in keras.tree.flatten(out)
+                if tf.is_tensor(t) and t.dtype.is_floating
+            ]
+            if not floats or getattr(floats[0], "graph", None) is not graph:
+                return out  # a symbolic call, or inside a control-flow branch
+            count[id(layer)] = n = count.get(id(layer), 0) + 1
+            name = path if n == 1 else f"{path} (call {n})"
+            fetched.append(floats[0])
+            output = len(fetched) - 1
+            if isinstance(layer, QuantizeWrapper) and layer.input_quantizers:
+                x = args[0] if args else next(iter(kwargs.values()))
+                x = list(x) if isinstance(x, (list, tuple)) else [x]
+                fetched.extend(x[i] for i in layer.input_indices)
+            scope = tf.get_current_name_scope()
+            calls.append(
+                _Call(
+                    layer,
+                    name,
+                    scope,
+                    floats[0].name,
+                    output,
+                    tuple(range(output + 1, len(fetched))),
+                )
+            )
+            return out
+
+        return recorded
+
+    for layer, path in layers:
+        object.__setattr__(layer, "call", hook(layer, path, layer.call))
+    try:
+        yield
+    finally:
+        for layer, _ in layers:
+            object.__delattr__(layer, "call")
+
+
+def _trace(model, specs):
+    """Traces `model` as `export_onnx` does, with every reachable layer's
+    output made an output of the traced function.
+
+    The trace calls the model exactly as the export's did, so TensorFlow
+    names its ops the same way (Keras opens one name scope per layer
+    call, and TF uniquifies them in the same order): tf2onnx named the
+    ONNX nodes after those ops, which is how a layer finds its tensors.
+
+    Returns:
+        The traced `tf.function`, the `_Call`s, and the (layer, path)
+        pairs that no call reached.
+    """
+    import tensorflow as tf
+
+    layers = _reachable(model)
+    calls = []
     signature = [
-        tf.TensorSpec((None,) + tuple(t.shape[1:]), t.dtype)
-        for t in model.inputs
+        tf.TensorSpec((None,) + tuple(s.shape[1:]), s.dtype, name=s.name)
+        for s in specs
     ]
 
     @tf.function(input_signature=signature)
     def run(*inputs):
-        outs = probe(
-            list(inputs) if len(inputs) > 1 else inputs[0], training=False
-        )
-        scopes[:] = [o.name.split("/") for o in outs]
-        return outs
+        fetched = []
+        calls.clear()
+        graph = tf.compat.v1.get_default_graph()
+        with _recording(layers, calls, fetched, graph):
+            model(_inputs_mod.call_arg(model, inputs, specs), training=False)
+        return fetched
 
     run.get_concrete_function()
-    return run, scopes, index
+    called = {id(c.layer) for c in calls}
+    never = [(layer, path) for layer, path in layers if id(layer) not in called]
+    return run, calls, never
 
 
 def _keras_values(run, inputs, batch_size=256):
@@ -163,38 +261,46 @@ def _keras_values(run, inputs, batch_size=256):
 
 
 def _fits(shape, want):
-    """Whether an ONNX static shape can hold a Keras output shape (NHWC, or
-    NCHW after tf2onnx's transpose optimizer, or with size-1 axes)."""
+    """Whether an ONNX static shape can hold a Keras output shape: the same
+    axes in any order (NCHW after tf2onnx's transpose optimizer, say), with
+    size-1 axes left out, or the batch merged with the leading axes (a
+    MatMul on `(batch * tokens, features)`)."""
     if shape is None:
         return True
-    keep = [d for d in want[1:] if d != 1]
-    nchw = (want[0], want[-1]) + tuple(want[1:-1])
-    for d_shape, d_want in ((shape, want), (shape, nchw)):
-        if len(d_shape) == len(d_want) and all(
-            a is None or a == b for a, b in zip(d_shape[1:], d_want[1:])
-        ):
-            return True
-    return [d for d in shape[1:] if d != 1] == keep
+    if len(shape) == len(want) and all(
+        a is None or a in want[1:] for a in shape[1:]
+    ):
+        return True
+    if [d for d in shape[1:] if d != 1] == [d for d in want[1:] if d != 1]:
+        return True
+    known = [d for d in shape[1:] if d is not None]
+    return (
+        len(known) == len(shape) - 1
+        and math.prod(want[1:]) % max(math.prod(known), 1) == 0
+    )
+
+
+def _layouts(got, want):
+    """`got` brought to `want`'s shape every way that keeps the values: its
+    non-batch axes permuted (NCHW, a transposed attention matrix), or
+    reshaped when it holds the same number of values."""
+    options = []
+    rest = range(1, got.ndim)
+    if got.ndim == want.ndim:
+        for order in itertools.permutations(rest):
+            if tuple(got.shape[i] for i in order) == want.shape[1:]:
+                options.append(np.transpose(got, (0, *order)))
+    if not options and got.size == want.size:
+        options.append(got.reshape(want.shape))
+    return options
 
 
 def _error(got, want):
     """(max abs, rel L2) with `got` brought to `want`'s layout, the best
-    over the layouts that fit; None when none does."""
-    options = []
-    if got.shape == want.shape:
-        options.append(got)
-    if got.ndim == want.ndim >= 3:
-        nhwc = np.moveaxis(got, 1, -1)
-        if nhwc.shape == want.shape:
-            options.append(nhwc)
-    if not options and got.size == want.size:
-        if [d for d in got.shape if d != 1] == [
-            d for d in want.shape if d != 1
-        ]:
-            options.append(got.reshape(want.shape))
+    over the layouts that fit (`_layouts`); None when none does."""
     best = None
     norm = max(float(np.linalg.norm(want)), 1e-12)
-    for g in options:
+    for g in _layouts(got, want):
         diff = np.abs(g.astype(np.float64) - want)
         err = (float(diff.max()), float(np.linalg.norm(diff)) / norm)
         best = err if best is None or err[1] < best[1] else best
@@ -202,7 +308,9 @@ def _error(got, want):
 
 
 class _Graph:
-    """The ONNX graph's nodes grouped by the Keras layer scope they carry."""
+    """The ONNX graph's tensor types, and its nodes grouped by every name
+    scope their names (or their outputs' names) lie in: a layer's group
+    holds the nodes of the layers inside it too."""
 
     def __init__(self, proto):
         onnx = optional_import("onnx")
@@ -221,8 +329,11 @@ class _Graph:
         self.initializers = {i.name for i in proto.graph.initializer}
         self.groups = {}
         for node in proto.graph.node:
-            scopes = {_scope(node.name)} | {_scope(o) for o in node.output}
-            for scope in scopes - {None}:
+            scopes = set()
+            for name in (node.name, *node.output):
+                parts = name.split("/")
+                scopes.update("/".join(parts[:k]) for k in range(1, len(parts)))
+            for scope in scopes:
                 self.groups.setdefault(scope, []).append(node)
 
     def float_outputs(self, scope):
@@ -244,9 +355,72 @@ class _Graph:
         ]
 
 
-def _scope(name):
-    parts = name.split("/")
-    return parts[1] if len(parts) > 2 else None
+def _match(graph, call, shape):
+    """(the ONNX tensor holding `call`'s output, None), or (None, why not).
+
+    The tensor of the same TensorFlow name when tf2onnx kept it; else the
+    last float tensor of a fitting shape among the nodes of the scope that
+    produced the output (a layer returning its input points to its
+    producer), then among the nodes of the layer's own scope.
+    """
+    elem, dims = graph.types.get(call.tensor, (None, None))
+    if elem in _FLOAT_TYPES and _fits(dims, shape):
+        return call.tensor, None
+    producer = call.tensor.rsplit("/", 1)[0]
+    for scope in dict.fromkeys((producer, call.scope)):
+        for name, dims in graph.float_outputs(scope):
+            if _fits(dims, shape):
+                return name, None
+    if call.scope not in graph.groups:
+        return None, (
+            "no ONNX node carries its name (folded into a constant, or "
+            "renamed by tf2onnx)"
+        )
+    return None, "no ONNX tensor of its output's shape"
+
+
+def _plan(graph, calls, values):
+    """Per call, the ONNX tensors to compare its output with, and the calls
+    with none (and why).
+
+    A Q/DQ tf2onnx renamed (a Transpose moved between its QuantizeLinear
+    and DequantizeLinear, a layer quantizing its own input) has no node
+    of its scope: it is matched with the activation DequantizeLinears of
+    its parent layer that no other Q/DQ took, the best fit chosen.
+    """
+    plan, unmatched, orphans = [], [], []
+    for depth, call in enumerate(calls):
+        tensor, why = _match(graph, call, values[call.output].shape)
+        if tensor is not None:
+            plan.append((depth, call, [tensor]))
+        elif _is_qdq(call.layer):
+            orphans.append((depth, call, why))
+        else:
+            unmatched.append((call.name, why))
+    taken = {tensors[0] for _, _, tensors in plan}
+    for depth, call, why in orphans:
+        parent = call.scope.rsplit("/", 1)[0]
+        free = [dq for dq in graph.activation_dqs(parent) if dq not in taken]
+        if free:
+            plan.append((depth, call, free))
+        else:
+            unmatched.append((call.name, why))
+    return sorted(plan, key=lambda p: p[0]), unmatched
+
+
+def _is_qdq(layer):
+    """A calibrated, enabled `QuantizeActivation`: its output is a Q/DQ."""
+    return (
+        isinstance(layer, QuantizeActivation)
+        and layer.enabled
+        and _step(layer) > 0
+    )
+
+
+def _step(quantizer):
+    """One quantization step of a `QuantizeActivation` (0 uncalibrated)."""
+    amax = float(quantizer.amax.numpy())
+    return amax / (2 ** (quantizer.num_bits - 1) - 1)
 
 
 def _kind(layer):
@@ -328,69 +502,51 @@ def compare_onnx(
             f"{model.name!r} has {len(inputs)}: it is not an export of this "
             "model. Export it with keras_mp.export_onnx(model, path)."
         )
-    import keras
-
-    layers = [
-        layer
-        for layer in model.layers
-        if not isinstance(layer, keras.layers.InputLayer)
-    ]
-    run, scopes, index = _probe(model, layers)
+    specs = _inputs_mod.input_specs(model, "compare_onnx")
+    run, calls, never = _trace(model, specs)
     values = _keras_values(run, inputs)
     graph = _Graph(proto)
 
-    plan, unmatched, claimed = [], [], set()
-    for k, layer in enumerate(layers):
-        start = index[k - 1] if k else 0
-        parts = scopes[start]
-        scope = parts[1] if len(parts) > 2 else None
-        want = values[start]
-        if scope is None or scope in claimed:
-            unmatched.append((layer.name, "no operations of its own"))
-            continue
-        claimed.add(scope)
-        tensor = next(
-            (
-                name
-                for name, shape in graph.float_outputs(scope)
-                if _fits(shape, want.shape)
-            ),
-            None,
-        )
-        if tensor is None:
-            why = (
-                "no ONNX node carries its name"
-                if scope not in graph.groups
-                else "no ONNX tensor of its output's shape"
-            )
-            unmatched.append((layer.name, why))
-            continue
-        plan.append((k, layer, scope, tensor, start))
+    plan, unmatched = _plan(graph, calls, values)
+    unmatched = [(path, _NOT_CALLED) for _, path in never] + unmatched
     if not plan:
         raise ValueError(
             f"No layer of model {model.name!r} appears in {onnx_path}: it "
             "is not an export of this model. Export it with "
             "keras_mp.export_onnx(model, path)."
         )
-    wanted = [t for _, _, _, t, _ in plan]
-    for _, layer, scope, _, _ in plan:
-        if isinstance(layer, QuantizeWrapper):
-            wanted += graph.activation_dqs(scope)
+    wanted = [t for _, _, tensors in plan for t in tensors]
+    for _, call, _ in plan:
+        if call.inputs:
+            wanted += graph.activation_dqs(call.scope)
     got = _run(proto, graph, list(dict.fromkeys(wanted)), inputs)
 
     rows = []
-    for k, layer, scope, tensor, start in plan:
-        err = _error(got[tensor], values[start])
-        if err is None:
-            unmatched.append((layer.name, f"ONNX tensor {tensor!r} shape"))
+    for depth, call, tensors in plan:
+        want = values[call.output]
+        found = [
+            (err, t)
+            for t in tensors
+            if (err := _error(got[t], want)) is not None
+        ]
+        if not found:
+            unmatched.append((call.name, f"ONNX tensor {tensors[0]!r} shape"))
             continue
-        steps = None
-        if isinstance(layer, QuantizeWrapper) and layer.input_quantizers:
-            steps = _qdq_steps(layer, graph, scope, got, values[start + 1 :])
-        diverged = _diverged(err[1], steps, max_steps, max_rel_l2)
+        err, tensor = min(found, key=lambda f: f[0][1])
+        layer, steps, qdq = call.layer, None, False
+        if call.inputs:
+            keras_inputs = [values[i] for i in call.inputs]
+            steps = _qdq_steps(layer, graph, call.scope, got, keras_inputs)
+        elif _is_qdq(layer):
+            qdq = True
+            steps = err[0] / _step(layer)
+        # A Q/DQ's output is judged in steps only: flips of single values
+        # are rounding, however many there are.
+        rel_l2 = None if qdq else err[1]
+        diverged = _diverged(rel_l2, steps, max_steps, max_rel_l2)
         rows.append(
             LayerError(
-                k, layer.name, _kind(layer), tensor, *err, steps, diverged
+                depth, call.name, _kind(layer), tensor, *err, steps, diverged
             )
         )
     return CompareReport(len(inputs[0]), rows, unmatched, max_steps, max_rel_l2)
@@ -402,7 +558,8 @@ _STEP_SLACK = 1e-3
 
 
 def _diverged(rel_l2, steps, max_steps, max_rel_l2):
-    return rel_l2 > max_rel_l2 or (
+    """Past a tolerance: `rel_l2` (None: not judged) or `steps`."""
+    return (rel_l2 is not None and rel_l2 > max_rel_l2) or (
         steps is not None and steps > max_steps + _STEP_SLACK
     )
 
