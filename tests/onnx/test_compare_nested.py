@@ -11,7 +11,7 @@ from onnx import numpy_helper
 
 import keras_mp
 from keras_mp import _models
-from keras_mp.onnx.compare import _reachable
+from keras_mp.onnx.compare_trace import reachable
 from keras_mp.quantization import twins
 
 pytest.importorskip("keras_hub")
@@ -81,7 +81,7 @@ def test_vit_inner_layers_are_compared_one_by_one(vit_export):
     assert max(r.rel_l2 for r in report.rows) < 5e-3
     assert report.first_divergence is None
     # none is dropped silently: each layer is a row or is named, with why
-    reached = {path for _, path in _reachable(qmodel)}
+    reached = {path for _, path in reachable(qmodel)}
     listed = {n.split(" (call")[0] for n in names}
     listed |= {n for n, _ in report.unmatched}
     assert listed == reached
