@@ -2,12 +2,10 @@
 diverges, 2 with one error line on bad input."""
 
 import numpy as np
-import pytest
 
-import keras_mp
 from keras_mp import cli
 from tests.onnx.test_compare import break_second_conv, exported  # noqa: F401
-from tests.onnx.test_compare_nested import custom_layer_model
+from tests.onnx.test_compare_nested import custom_export  # noqa: F401
 
 
 def test_cli_compare(exported, tmp_path, capsys):  # noqa: F811
@@ -37,15 +35,14 @@ def test_cli_compare(exported, tmp_path, capsys):  # noqa: F811
     assert err.count("\n") == 1 and "expects" in err
 
 
-def test_cli_compare_reaches_inside_a_quantized_model(tmp_path, capsys):
+def test_cli_compare_reaches_inside_a_quantized_model(
+    custom_export,  # noqa: F811
+    tmp_path,
+    capsys,
+):
     """A `.keras` QuantizedModel (layers inside custom layers) reloads and
     is compared layer by layer, inner layers by their path."""
-    x = np.random.default_rng(0).standard_normal((16, 6)).astype("float32")
-    with pytest.warns(UserWarning, match="called more than once"):
-        qmodel = keras_mp.quantize_model(custom_layer_model())
-    keras_mp.calibrate(qmodel, x, verbose=0)
-    path = str(tmp_path / "q.onnx")
-    keras_mp.export_onnx(qmodel, path)
+    qmodel, path, x = custom_export
     qmodel.save(tmp_path / "q.keras")
     np.save(tmp_path / "x.npy", x)
     code = cli.main(

@@ -166,15 +166,24 @@ def custom_layer_model():
     return keras.Model(inputs, L.Dense(3, name="head")(x), name="custom")
 
 
-def test_custom_layers_and_a_shared_layer(tmp_path):
+@pytest.fixture(scope="session")
+def custom_export(tmp_path_factory):
+    """`custom_layer_model` quantized in place, calibrated and exported
+    (session-wide: `tests/cli/test_compare.py` uses it too)."""
+    keras.utils.set_random_seed(0)
     x = np.random.default_rng(0).standard_normal((32, 6)).astype("float32")
     with pytest.warns(UserWarning, match="called more than once"):
         qmodel = keras_mp.quantize_model(custom_layer_model())
+    keras_mp.calibrate(qmodel, x, verbose=0)
+    path = str(tmp_path_factory.mktemp("custom") / "custom.onnx")
+    keras_mp.export_onnx(qmodel, path)
+    return qmodel, path, x
+
+
+def test_custom_layers_and_a_shared_layer(custom_export, tmp_path):
+    qmodel, path, x = custom_export
     assert isinstance(qmodel, keras_mp.QuantizedModel)
     fc = "custom/block/fc"
-    keras_mp.calibrate(qmodel, x, verbose=0)
-    path = str(tmp_path / "custom.onnx")
-    keras_mp.export_onnx(qmodel, path)
     report = keras_mp.compare_onnx(qmodel, path, x)
     names = [r.name for r in report.rows]
     for inner in (fc, "custom/block/norm", "custom/twice/fc"):
