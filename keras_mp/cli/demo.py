@@ -13,9 +13,8 @@ import keras
 import numpy as np
 
 from keras_mp import datasets
-from keras_mp.cli.demo_vit import demo_vit, report_section
+from keras_mp.cli.demo_vit import demo_vit
 from keras_mp.cli.report import plot_results, write_report
-from keras_mp.io import atomic_write_text
 from keras_mp.mixed_precision import (
     LossScaleMonitor,
     LossScaleOptimizer,
@@ -257,11 +256,6 @@ def run_demo(output="demo-report", quick=False, overwrite=False):
     write_report(
         output, results, audit, epochs, qat_epochs, TRAIN_LEARNING_RATE
     )
-    section = "\n".join(report_section(results["vit"]))
-    report = os.path.join(output, "report.md")
-    with open(report) as f:
-        atomic_write_text(report, f.read() + "\n" + section)
-    print(section)
     return results
 
 

@@ -241,64 +241,6 @@ def run_vit(
     return results
 
 
-def _cell(m, key, spec):
-    return format(m[key], spec) if key in m else "-"
-
-
-def report_section(vit):
-    """The report's ViT section (Markdown lines) from `results["vit"]`."""
-    if "skipped" in vit:
-        return ["## ViT (keras-hub)", "", vit["skipped"], ""]
-    methods = vit["methods"]
-    fp = methods["float32"]["test_top1"]
-    rows = [
-        "| ViT | test top-1 % | vs float32 | TensorRT lint | Q/DQ nodes | "
-        "weighted ops with Q/DQ inputs | attention matmuls with Q/DQ "
-        "inputs | ORT top-1 % | ORT parity top-1 % | batch-1 ms |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for label, m in methods.items():
-        exported = "onnx" in m
-        rows.append(
-            f"| vit_{label} | {m['test_top1']:.2f} | "
-            f"{m['test_top1'] - fp:+.2f} | {_cell(m, 'tensorrt_lint', 's')} | "
-            f"{_cell(m, 'qdq_nodes', 'd')} | "
-            + (
-                f"{m['weighted_quantized']} / {m['weighted_ops']} | "
-                f"{m['attention_quantized']} / {m['attention_matmuls']} | "
-                if exported
-                else "- | - | "
-            )
-            + f"{_cell(m, 'ort_test_top1', '.2f')} | "
-            f"{_cell(m, 'parity_top1_agreement', '.2f')} | "
-            f"{_cell(m, 'latency_ms_batch1', '.2f')} |"
-        )
-    extra = (
-        f"QAT (from {QAT_CALIBRATOR} calibration) and `float32_control` get "
-        f"{vit['qat_epochs']} more epoch(s) each (cosine-decayed from 1e-4)."
-        if "qat" in methods
-        else "`--quick`: float32 (not exported) and PTQ only; the full demo "
-        "adds QAT and the float32 control."
-    )
-    return [
-        "## ViT (keras-hub)",
-        "",
-        f"A keras-hub `ViTBackbone` ({vit['patches']} patches and a class "
-        f"token, {VIT['num_layers']} layers, width {VIT['hidden_dim']}, "
-        f"{VIT['num_heads']} heads, MLP {VIT['mlp_dim']}; "
-        f"{vit['params']:,} weights) with a pooled Dense logits head, "
-        f"trained {vit['epochs']} epoch(s) in float32 on "
-        f"{vit['train_images']} images ({vit['train_seconds']} s; the whole "
-        f"ViT row {vit['seconds']} s). {extra} "
-        "ORT columns: ONNX Runtime with graph optimizations off on every "
-        "test image; an attention matmul is a MatMul of two run-time "
-        "tensors (Q x K, softmax x V).",
-        "",
-        "\n".join(rows),
-        "",
-    ]
-
-
 def demo_vit(x, y, xt, yt, output, quick):
     """The demo's ViT row: `results["vit"]`, or the reason it is missing."""
     if keras_hub_or_none() is None:

@@ -1,8 +1,10 @@
-"""The demo's report folder: plots, `results.json` and `report.md`."""
+"""The demo's report folder: plots, `results.json` and `report.md` (the
+reference CNN's methods, then the ViT section)."""
 
 import json
 import os
 
+from keras_mp.cli.demo_vit import VIT
 from keras_mp.io import atomic_path, atomic_write_text
 from keras_mp.reference import QAT_CALIBRATOR
 
@@ -63,8 +65,69 @@ def plot_results(results, sparsity, scale_history, output):
     return written
 
 
+def _cell(m, key, spec):
+    return format(m[key], spec) if key in m else "-"
+
+
+def vit_section(vit):
+    """The report's ViT section (Markdown lines) from `results["vit"]`:
+    its table, or the reason the row is missing."""
+    if "skipped" in vit:
+        return ["## ViT (keras-hub)", "", vit["skipped"], ""]
+    methods = vit["methods"]
+    fp = methods["float32"]["test_top1"]
+    rows = [
+        "| ViT | test top-1 % | vs float32 | TensorRT lint | Q/DQ nodes | "
+        "weighted ops with Q/DQ inputs | attention matmuls with Q/DQ "
+        "inputs | ORT top-1 % | ORT parity top-1 % | batch-1 ms |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for label, m in methods.items():
+        exported = "onnx" in m
+        rows.append(
+            f"| vit_{label} | {m['test_top1']:.2f} | "
+            f"{m['test_top1'] - fp:+.2f} | {_cell(m, 'tensorrt_lint', 's')} | "
+            f"{_cell(m, 'qdq_nodes', 'd')} | "
+            + (
+                f"{m['weighted_quantized']} / {m['weighted_ops']} | "
+                f"{m['attention_quantized']} / {m['attention_matmuls']} | "
+                if exported
+                else "- | - | "
+            )
+            + f"{_cell(m, 'ort_test_top1', '.2f')} | "
+            f"{_cell(m, 'parity_top1_agreement', '.2f')} | "
+            f"{_cell(m, 'latency_ms_batch1', '.2f')} |"
+        )
+    extra = (
+        f"QAT (from {QAT_CALIBRATOR} calibration) and `float32_control` get "
+        f"{vit['qat_epochs']} more epoch(s) each (cosine-decayed from 1e-4)."
+        if "qat" in methods
+        else "`--quick`: float32 (not exported) and PTQ only; the full demo "
+        "adds QAT and the float32 control."
+    )
+    return [
+        "## ViT (keras-hub)",
+        "",
+        f"A keras-hub `ViTBackbone` ({vit['patches']} patches and a class "
+        f"token, {VIT['num_layers']} layers, width {VIT['hidden_dim']}, "
+        f"{VIT['num_heads']} heads, MLP {VIT['mlp_dim']}; "
+        f"{vit['params']:,} weights) with a pooled Dense logits head, "
+        f"trained {vit['epochs']} epoch(s) in float32 on "
+        f"{vit['train_images']} images ({vit['train_seconds']} s; the whole "
+        f"ViT row {vit['seconds']} s). {extra} "
+        "ORT columns: ONNX Runtime with graph optimizations off on every "
+        "test image; an attention matmul is a MatMul of two run-time "
+        "tensors (Q x K, softmax x V).",
+        "",
+        "\n".join(rows),
+        "",
+    ]
+
+
 def write_report(output, results, audit, epochs, qat_epochs, learning_rate):
-    """Writes `results.json` and `report.md` into `output`."""
+    """Writes `results.json` and `report.md` into `output`, each once and
+    atomically (a temporary file renamed into place); `report.md` ends with
+    the ViT section of `results["vit"]` (`vit_section`)."""
     fp = results["methods"]["float32"]
     rows = [
         "| method | test top-1 % | vs float32 | TensorRT lint | Q/DQ nodes | "
@@ -123,11 +186,12 @@ def write_report(output, results, audit, epochs, qat_epochs, learning_rate):
         "```",
         "",
     ] + [f"![{p}]({p})" for p in results["plots"]]
+    vit = vit_section(results["vit"])
+    lines += [""] + vit
     atomic_write_text(
         os.path.join(output, "results.json"), json.dumps(results, indent=2)
     )
-    atomic_write_text(
-        os.path.join(output, "report.md"), "\n".join(lines) + "\n"
-    )
+    atomic_write_text(os.path.join(output, "report.md"), "\n".join(lines))
     print(f"\nReport written to {output}/report.md")
     print("\n".join(rows))
+    print("\n".join(vit))

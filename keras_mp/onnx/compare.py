@@ -9,11 +9,11 @@ import numpy as np
 from keras_mp import _inputs as _inputs_mod
 from keras_mp._compat import optional_import
 from keras_mp._models import check_graph_model
-from keras_mp.onnx.parity import ort_session, run_session
-from keras_mp.quantization.layers import QuantizeWrapper
+from keras_mp.onnx.compare_graph import FLOAT_TYPES, Graph, error, fits
+from keras_mp.onnx.compare_graph import run as run_onnx
+from keras_mp.onnx.compare_trace import keras_values, trace
+from keras_mp.quantization.layers import QuantizeActivation, QuantizeWrapper
 from keras_mp.quantization.quantizers import fake_quant
-
-_FLOAT_TYPES = (1, 10, 11)  # onnx.TensorProto FLOAT, FLOAT16, DOUBLE
 
 
 @dataclasses.dataclass
@@ -21,15 +21,21 @@ class LayerError:
     """ONNX Runtime against Keras at one layer's output.
 
     Attributes:
-        depth: int. The layer's position in `model.layers`.
-        name: str. The Keras layer.
-        kind: str. Its type (`QuantizeWrapper(Conv2D)` for a wrapper).
+        depth: int. The position of the layer call among all the calls
+            of the trace, in the order they finish.
+        name: str. The layer's path of names from the model down
+            (`vi_t_backbone/vit_encoder/transformer_block_1/mha/query`; its name
+            for a layer of the model itself), `(call 2)` added for a
+            layer's second call.
+        kind: str. Its type (`QuantizeWrapper(Conv2D)` for a wrapper,
+            `QuantizedDense` for a layer quantized in place).
         tensor: str. The ONNX tensor compared with the layer's output.
         max_abs: float. Max absolute difference.
         rel_l2: float. `||onnx - keras|| / ||keras||`.
-        steps: float or None. At a quantized layer, the max difference of
+        steps: float or None. At a `QuantizeWrapper`, the max difference of
             its input Q/DQ in quantization steps (`amax / 127` for 8 bits);
-            None for float layers.
+            at a `QuantizeActivation` (a Q/DQ of its own, which is judged
+            by this only), the difference of its output; None elsewhere.
         diverged: bool. Past the report's tolerance.
     """
 
@@ -49,8 +55,9 @@ class CompareReport:
 
     Attributes:
         samples: int. Inputs compared.
-        rows: list of `LayerError`, in layer order.
-        unmatched: list of (layer name, reason) for the layers not compared.
+        rows: list of `LayerError`, in the order the calls finish.
+        unmatched: list of (layer path, reason) for the layers not
+            compared.
         max_steps: float. Tolerance at a Q/DQ, in quantization steps.
         max_rel_l2: float. Tolerance at a layer's output.
     """
@@ -117,136 +124,72 @@ def _inputs(model, data, samples):
     return [x[:samples] for x in arrays] if samples else arrays
 
 
-def _probe(model, layers):
-    """Traces `model.inputs -> [each layer's output and inputs]`.
+def _match(graph, call, shape):
+    """(the ONNX tensor holding `call`'s output, None), or (None, why not).
 
-    Returns the traced function and, per probe output, its TensorFlow
-    name scope below the root: the one tf2onnx names that layer's ONNX
-    nodes after (the trace uniquifies scopes the way an export's does).
+    The tensor of the same TensorFlow name when tf2onnx kept it; else the
+    last float tensor of a fitting shape among the nodes of the scope that
+    produced the output (a layer returning its input points to its
+    producer), then among the nodes of the layer's own scope.
     """
-    import keras
-    import tensorflow as tf
-
-    outputs, index = [], []
-    for layer in layers:
-        outputs.append(layer.output)
-        if isinstance(layer, QuantizeWrapper) and layer.input_quantizers:
-            ins = layer.input
-            ins = list(ins) if isinstance(ins, (list, tuple)) else [ins]
-            outputs += [ins[i] for i in layer.input_indices]
-        index.append(len(outputs))
-    probe = keras.Model(model.inputs, outputs, name="compare_probe")
-    scopes = []
-    signature = [
-        tf.TensorSpec((None,) + tuple(t.shape[1:]), t.dtype)
-        for t in model.inputs
-    ]
-
-    @tf.function(input_signature=signature)
-    def run(*inputs):
-        outs = probe(
-            list(inputs) if len(inputs) > 1 else inputs[0], training=False
+    elem, dims = graph.types.get(call.tensor, (None, None))
+    if elem in FLOAT_TYPES and fits(dims, shape):
+        return call.tensor, None
+    producer = call.tensor.rsplit("/", 1)[0]
+    for scope in dict.fromkeys((producer, call.scope)):
+        for name, dims in graph.float_outputs(scope):
+            if fits(dims, shape):
+                return name, None
+    if call.scope not in graph.groups:
+        return None, (
+            "no ONNX node carries its name (folded into a constant, or "
+            "renamed by tf2onnx)"
         )
-        scopes[:] = [o.name.split("/") for o in outs]
-        return outs
-
-    run.get_concrete_function()
-    return run, scopes, index
+    return None, "no ONNX tensor of its output's shape"
 
 
-def _keras_values(run, inputs, batch_size=256):
-    chunks = [
-        [np.asarray(o) for o in run(*[x[i : i + batch_size] for x in inputs])]
-        for i in range(0, len(inputs[0]), batch_size)
-    ]
-    return [np.concatenate(c) for c in zip(*chunks)]
+def _plan(graph, calls, values):
+    """Per call, the ONNX tensors to compare its output with, and the calls
+    with none (and why).
+
+    A Q/DQ tf2onnx renamed (a Transpose moved between its QuantizeLinear
+    and DequantizeLinear, a layer quantizing its own input) has no node
+    of its scope: it is matched with the activation DequantizeLinears of
+    its parent layer that no other Q/DQ took, the best fit chosen.
+    """
+    plan, unmatched, orphans = [], [], []
+    for depth, call in enumerate(calls):
+        tensor, why = _match(graph, call, values[call.output].shape)
+        if tensor is not None:
+            plan.append((depth, call, [tensor]))
+        elif _is_qdq(call.layer):
+            orphans.append((depth, call, why))
+        else:
+            unmatched.append((call.name, why))
+    taken = {tensors[0] for _, _, tensors in plan}
+    for depth, call, why in orphans:
+        parent = call.scope.rsplit("/", 1)[0]
+        free = [dq for dq in graph.activation_dqs(parent) if dq not in taken]
+        if free:
+            plan.append((depth, call, free))
+        else:
+            unmatched.append((call.name, why))
+    return sorted(plan, key=lambda p: p[0]), unmatched
 
 
-def _fits(shape, want):
-    """Whether an ONNX static shape can hold a Keras output shape (NHWC, or
-    NCHW after tf2onnx's transpose optimizer, or with size-1 axes)."""
-    if shape is None:
-        return True
-    keep = [d for d in want[1:] if d != 1]
-    nchw = (want[0], want[-1]) + tuple(want[1:-1])
-    for d_shape, d_want in ((shape, want), (shape, nchw)):
-        if len(d_shape) == len(d_want) and all(
-            a is None or a == b for a, b in zip(d_shape[1:], d_want[1:])
-        ):
-            return True
-    return [d for d in shape[1:] if d != 1] == keep
+def _is_qdq(layer):
+    """A calibrated, enabled `QuantizeActivation`: its output is a Q/DQ."""
+    return (
+        isinstance(layer, QuantizeActivation)
+        and layer.enabled
+        and _step(layer) > 0
+    )
 
 
-def _error(got, want):
-    """(max abs, rel L2) with `got` brought to `want`'s layout, the best
-    over the layouts that fit; None when none does."""
-    options = []
-    if got.shape == want.shape:
-        options.append(got)
-    if got.ndim == want.ndim >= 3:
-        nhwc = np.moveaxis(got, 1, -1)
-        if nhwc.shape == want.shape:
-            options.append(nhwc)
-    if not options and got.size == want.size:
-        if [d for d in got.shape if d != 1] == [
-            d for d in want.shape if d != 1
-        ]:
-            options.append(got.reshape(want.shape))
-    best = None
-    norm = max(float(np.linalg.norm(want)), 1e-12)
-    for g in options:
-        diff = np.abs(g.astype(np.float64) - want)
-        err = (float(diff.max()), float(np.linalg.norm(diff)) / norm)
-        best = err if best is None or err[1] < best[1] else best
-    return best
-
-
-class _Graph:
-    """The ONNX graph's nodes grouped by the Keras layer scope they carry."""
-
-    def __init__(self, proto):
-        onnx = optional_import("onnx")
-        inferred = onnx.shape_inference.infer_shapes(proto).graph
-        self.types = {}
-        for info in list(inferred.value_info) + list(inferred.output):
-            t = info.type.tensor_type
-            dims = tuple(
-                d.dim_value if d.HasField("dim_value") else None
-                for d in t.shape.dim
-            )
-            self.types[info.name] = (
-                t.elem_type,
-                dims if t.HasField("shape") else None,
-            )
-        self.initializers = {i.name for i in proto.graph.initializer}
-        self.groups = {}
-        for node in proto.graph.node:
-            scopes = {_scope(node.name)} | {_scope(o) for o in node.output}
-            for scope in scopes - {None}:
-                self.groups.setdefault(scope, []).append(node)
-
-    def float_outputs(self, scope):
-        """The float tensors the scope's nodes produce, last first."""
-        found = []
-        for node in reversed(self.groups.get(scope, [])):
-            for out in node.output:
-                elem, shape = self.types.get(out, (None, None))
-                if elem in _FLOAT_TYPES:
-                    found.append((out, shape))
-        return found
-
-    def activation_dqs(self, scope):
-        return [
-            n.output[0]
-            for n in self.groups.get(scope, [])
-            if n.op_type == "DequantizeLinear"
-            and n.input[0] not in self.initializers
-        ]
-
-
-def _scope(name):
-    parts = name.split("/")
-    return parts[1] if len(parts) > 2 else None
+def _step(quantizer):
+    """One quantization step of a `QuantizeActivation` (0 uncalibrated)."""
+    amax = float(quantizer.amax.numpy())
+    return amax / (2 ** (quantizer.num_bits - 1) - 1)
 
 
 def _kind(layer):
@@ -260,22 +203,32 @@ def compare_onnx(
 ):
     """Compares an exported ONNX file with its Keras model layer by layer.
 
-    Every layer of `model.layers` is matched to the ONNX tensors tf2onnx
-    named after it (their names start with the layer's TensorFlow name
-    scope); the last float tensor of the group whose shape fits the
-    layer's output (NHWC, or NCHW where the export moved the layout) is
-    made a graph output of an in-memory copy of the graph, which ONNX
-    Runtime runs with graph optimizations off (Q/DQ semantics). At a
-    quantized layer the input Q/DQ is compared too, in quantization steps
-    (`amax / 127` for 8 bits): a rounding flip is one step, more is a bug.
-    The first layer past a tolerance is where ONNX and Keras part.
+    Every layer inside the model is reached: the layers of nested models,
+    the layers inside custom layers and keras-hub backbones, the layers of
+    a `QuantizedModel` or `SparseModel` (`compare_trace.reachable`). The
+    model is traced as the export traced it, with each layer call's
+    output fetched; tf2onnx named the ONNX tensors after the same
+    TensorFlow name scopes, so each call is matched to the ONNX tensor of
+    the same name, else to the last float tensor of its scope whose shape
+    fits (NHWC, or NCHW where the export moved the layout). Those tensors
+    are made graph outputs of an in-memory copy of the graph, which ONNX
+    Runtime runs with graph optimizations off (Q/DQ semantics). Each
+    activation Q/DQ (`QuantizeActivation`, and a `QuantizeWrapper`'s
+    inputs) is compared in quantization steps (`amax / 127` for 8 bits): a
+    rounding flip is one step, more is a bug. Rows come in the order the
+    calls finish (a layer's inner layers before it), so the first row past
+    a tolerance is where ONNX and Keras part.
 
-    Layers of a nested model are compared as one (the outer layer); a
-    layer with no ONNX nodes of its own (`Dropout` at inference, say) is
-    listed in `unmatched` with the reason.
+    Nothing is left out silently: a layer never called at inference, one
+    with no ONNX tensor of its own (an embedding folded into a constant),
+    or one whose tensors tf2onnx renamed is listed in `unmatched` with the
+    reason. Weight quantizers are not rows: their Q/DQ is an INT8
+    initializer, checked at their layer's output.
 
     Args:
-        model: a Sequential or Functional `keras.Model`, called.
+        model: a Sequential or Functional `keras.Model` (a `QuantizedModel`
+            or `SparseModel` included), called: the model that was
+            exported.
         onnx_path: str. The file `keras_mp.export_onnx` wrote for `model`.
         data: NumPy array of inputs; for several inputs, a list in
             `model.inputs` order or a dict by input name.
@@ -328,69 +281,51 @@ def compare_onnx(
             f"{model.name!r} has {len(inputs)}: it is not an export of this "
             "model. Export it with keras_mp.export_onnx(model, path)."
         )
-    import keras
+    specs = _inputs_mod.input_specs(model, "compare_onnx")
+    run, calls, never = trace(model, specs)
+    values = keras_values(run, inputs)
+    graph = Graph(proto)
 
-    layers = [
-        layer
-        for layer in model.layers
-        if not isinstance(layer, keras.layers.InputLayer)
-    ]
-    run, scopes, index = _probe(model, layers)
-    values = _keras_values(run, inputs)
-    graph = _Graph(proto)
-
-    plan, unmatched, claimed = [], [], set()
-    for k, layer in enumerate(layers):
-        start = index[k - 1] if k else 0
-        parts = scopes[start]
-        scope = parts[1] if len(parts) > 2 else None
-        want = values[start]
-        if scope is None or scope in claimed:
-            unmatched.append((layer.name, "no operations of its own"))
-            continue
-        claimed.add(scope)
-        tensor = next(
-            (
-                name
-                for name, shape in graph.float_outputs(scope)
-                if _fits(shape, want.shape)
-            ),
-            None,
-        )
-        if tensor is None:
-            why = (
-                "no ONNX node carries its name"
-                if scope not in graph.groups
-                else "no ONNX tensor of its output's shape"
-            )
-            unmatched.append((layer.name, why))
-            continue
-        plan.append((k, layer, scope, tensor, start))
+    plan, unmatched = _plan(graph, calls, values)
+    unmatched = [(path, why) for _, path, why in never] + unmatched
     if not plan:
         raise ValueError(
             f"No layer of model {model.name!r} appears in {onnx_path}: it "
             "is not an export of this model. Export it with "
             "keras_mp.export_onnx(model, path)."
         )
-    wanted = [t for _, _, _, t, _ in plan]
-    for _, layer, scope, _, _ in plan:
-        if isinstance(layer, QuantizeWrapper):
-            wanted += graph.activation_dqs(scope)
-    got = _run(proto, graph, list(dict.fromkeys(wanted)), inputs)
+    wanted = [t for _, _, tensors in plan for t in tensors]
+    for _, call, _ in plan:
+        if call.inputs:
+            wanted += graph.activation_dqs(call.scope)
+    got = run_onnx(proto, graph, list(dict.fromkeys(wanted)), inputs)
 
     rows = []
-    for k, layer, scope, tensor, start in plan:
-        err = _error(got[tensor], values[start])
-        if err is None:
-            unmatched.append((layer.name, f"ONNX tensor {tensor!r} shape"))
+    for depth, call, tensors in plan:
+        want = values[call.output]
+        found = [
+            (err, t)
+            for t in tensors
+            if (err := error(got[t], want)) is not None
+        ]
+        if not found:
+            unmatched.append((call.name, f"ONNX tensor {tensors[0]!r} shape"))
             continue
-        steps = None
-        if isinstance(layer, QuantizeWrapper) and layer.input_quantizers:
-            steps = _qdq_steps(layer, graph, scope, got, values[start + 1 :])
-        diverged = _diverged(err[1], steps, max_steps, max_rel_l2)
+        err, tensor = min(found, key=lambda f: f[0][1])
+        layer, steps, qdq = call.layer, None, False
+        if call.inputs:
+            keras_inputs = [values[i] for i in call.inputs]
+            steps = _qdq_steps(layer, graph, call.scope, got, keras_inputs)
+        elif _is_qdq(layer):
+            qdq = True
+            steps = err[0] / _step(layer)
+        # A Q/DQ's output is judged in steps only: flips of single values
+        # are rounding, however many there are.
+        rel_l2 = None if qdq else err[1]
+        diverged = _diverged(rel_l2, steps, max_steps, max_rel_l2)
         rows.append(
             LayerError(
-                k, layer.name, _kind(layer), tensor, *err, steps, diverged
+                depth, call.name, _kind(layer), tensor, *err, steps, diverged
             )
         )
     return CompareReport(len(inputs[0]), rows, unmatched, max_steps, max_rel_l2)
@@ -402,7 +337,8 @@ _STEP_SLACK = 1e-3
 
 
 def _diverged(rel_l2, steps, max_steps, max_rel_l2):
-    return rel_l2 > max_rel_l2 or (
+    """Past a tolerance: `rel_l2` (None: not judged) or `steps`."""
+    return (rel_l2 is not None and rel_l2 > max_rel_l2) or (
         steps is not None and steps > max_steps + _STEP_SLACK
     )
 
@@ -424,29 +360,8 @@ def _qdq_steps(layer, graph, scope, got, keras_inputs):
         fits = [
             (e[0] / step)
             for fq, step in quantized
-            if (e := _error(got[dq], fq)) is not None
+            if (e := error(got[dq], fq)) is not None
         ]
         if fits:
             worst = max(worst or 0.0, min(fits))
     return worst
-
-
-def _run(proto, graph, tensors, inputs):
-    """ONNX Runtime's values of `tensors`, made outputs of a copy of
-    `proto`."""
-    import tempfile
-
-    onnx = optional_import("onnx")
-    copy = onnx.ModelProto()
-    copy.CopyFrom(proto)
-    del copy.graph.output[:]
-    for name in tensors:
-        elem, _ = graph.types[name]
-        copy.graph.output.append(
-            onnx.helper.make_tensor_value_info(name, elem, None)
-        )
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "compare.onnx")
-        onnx.save(copy, path)
-        outs = run_session(ort_session(path, optimized=False), inputs)
-    return dict(zip(tensors, outs))

@@ -5,6 +5,7 @@ import numpy as np
 
 from keras_mp import cli
 from tests.onnx.test_compare import break_second_conv, exported  # noqa: F401
+from tests.onnx.test_compare_nested import custom_export  # noqa: F401
 
 
 def test_cli_compare(exported, tmp_path, capsys):  # noqa: F811
@@ -32,3 +33,24 @@ def test_cli_compare(exported, tmp_path, capsys):  # noqa: F811
     err = capsys.readouterr().err
     assert code == 2
     assert err.count("\n") == 1 and "expects" in err
+
+
+def test_cli_compare_reaches_inside_a_quantized_model(
+    custom_export,  # noqa: F811
+    tmp_path,
+    capsys,
+):
+    """A `.keras` QuantizedModel (layers inside custom layers) reloads and
+    is compared layer by layer, inner layers by their path."""
+    qmodel, path, x = custom_export
+    qmodel.save(tmp_path / "q.keras")
+    np.save(tmp_path / "x.npy", x)
+    code = cli.main(
+        ["compare", str(tmp_path / "q.keras"), path]
+        + ["--data", str(tmp_path / "x.npy")]
+    )
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "| custom/block/fc | QuantizedDense |" in out
+    assert "Not compared" not in out
+    assert "no layer diverges" in out

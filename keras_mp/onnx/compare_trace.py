@@ -1,0 +1,172 @@
+"""The Keras side of `compare_onnx`: the model traced as `export_onnx`
+traces it, with the output of every layer call inside it (nested models,
+custom layers, keras-hub backbones) fetched."""
+
+import contextlib
+import dataclasses
+
+import numpy as np
+
+from keras_mp import _inputs
+from keras_mp._models import walk_layers
+from keras_mp.quantization.layers import QuantizeWrapper
+from keras_mp.quantization.twins import WeightQuantizer
+
+NOT_CALLED = "not called when the model runs at inference"
+
+
+@dataclasses.dataclass
+class Call:
+    """One layer call seen while tracing the model: where its output (and,
+    for a `QuantizeWrapper`, its quantized inputs) sit among the traced
+    function's outputs."""
+
+    layer: object
+    name: str
+    scope: str
+    tensor: str
+    output: int
+    inputs: tuple = ()
+
+
+def reachable(model):
+    """(layer, path) for every layer inside `model` a report can compare:
+    nested models and the layers inside custom layers included, a
+    `QuantizeWrapper` as one layer, input layers and weight quantizers (a
+    weight's Q/DQ is an initializer, checked at its layer's output) left
+    out. Paths are the names from the model down, made unique."""
+    import keras
+
+    found, paths = [], set()
+    for layer, parents in walk_layers(
+        model,
+        include_models=True,
+        stop_at=(QuantizeWrapper,),
+        with_parents=True,
+    ):
+        if isinstance(layer, (keras.layers.InputLayer, WeightQuantizer)):
+            continue
+        path = base = "/".join(p.name for p in parents + (layer,))
+        k = 1
+        while path in paths:  # keras-hub repeats names (`dropout`)
+            k += 1
+            path = f"{base} #{k}"
+        paths.add(path)
+        found.append((layer, path))
+    return found
+
+
+@contextlib.contextmanager
+def _recording(layers, calls, fetched, skipped, graph):
+    """Within the block, each layer's `call` also appends its output (its
+    first floating tensor) to `fetched` and a `Call` to `calls`, in the
+    order the calls finish (inner layers before the layer holding them);
+    `skipped` gets, by layer id, why a call could not be fetched."""
+    import keras
+    import tensorflow as tf
+
+    count = {}
+
+    def hook(layer, path, call):
+        def recorded(*args, **kwargs):
+            out = call(*args, **kwargs)
+            tensors = [t for t in keras.tree.flatten(out) if tf.is_tensor(t)]
+            floats = [t for t in tensors if t.dtype.is_floating]
+            if not tensors:
+                return out  # a symbolic call (Keras' shape inference)
+            if not floats:
+                skipped[id(layer)] = "no floating-point output to compare"
+                return out
+            if getattr(floats[0], "graph", None) is not graph:
+                skipped[id(layer)] = (
+                    "called inside a TensorFlow control-flow branch, whose "
+                    "tensors the trace cannot return"
+                )
+                return out
+            count[id(layer)] = n = count.get(id(layer), 0) + 1
+            name = path if n == 1 else f"{path} (call {n})"
+            fetched.append(floats[0])
+            output = len(fetched) - 1
+            if isinstance(layer, QuantizeWrapper) and layer.input_quantizers:
+                x = args[0] if args else next(iter(kwargs.values()))
+                x = list(x) if isinstance(x, (list, tuple)) else [x]
+                fetched.extend(x[i] for i in layer.input_indices)
+            scope = tf.get_current_name_scope()
+            calls.append(
+                Call(
+                    layer,
+                    name,
+                    scope,
+                    floats[0].name,
+                    output,
+                    tuple(range(output + 1, len(fetched))),
+                )
+            )
+            return out
+
+        return recorded
+
+    # An instance attribute shadows the class's `call` for this trace
+    # only; set past Keras' attribute tracking, as a function is no state.
+    own = [(layer, layer.__dict__.get("call")) for layer, _ in layers]
+    for layer, path in layers:
+        object.__setattr__(layer, "call", hook(layer, path, layer.call))
+    try:
+        yield
+    finally:
+        for layer, previous in own:
+            if previous is None:
+                object.__delattr__(layer, "call")
+            else:
+                object.__setattr__(layer, "call", previous)
+
+
+def trace(model, specs):
+    """Traces `model` as `export_onnx` does, with every reachable layer's
+    output made an output of the traced function.
+
+    The trace calls the model exactly as the export's did, so TensorFlow
+    names its ops the same way (Keras opens one name scope per layer
+    call, and TF uniquifies them in the same order): tf2onnx named the
+    ONNX nodes after those ops, which is how a layer finds its tensors.
+
+    Returns:
+        The traced `tf.function` (its outputs: the fetched tensors), the
+        `Call`s, and `(layer, path, why)` for the layers with no call
+        fetched.
+    """
+    import tensorflow as tf
+
+    layers = reachable(model)
+    calls, skipped = [], {}
+    signature = [
+        tf.TensorSpec((None,) + tuple(s.shape[1:]), s.dtype, name=s.name)
+        for s in specs
+    ]
+
+    @tf.function(input_signature=signature)
+    def run(*inputs):
+        fetched = []
+        calls.clear()
+        graph = tf.compat.v1.get_default_graph()
+        with _recording(layers, calls, fetched, skipped, graph):
+            model(_inputs.call_arg(model, inputs, specs), training=False)
+        return fetched
+
+    run.get_concrete_function()
+    called = {id(c.layer) for c in calls}
+    never = [
+        (layer, path, skipped.get(id(layer), NOT_CALLED))
+        for layer, path in layers
+        if id(layer) not in called
+    ]
+    return run, calls, never
+
+
+def keras_values(run, inputs, batch_size=256):
+    """The traced function's outputs on `inputs`, run in batches."""
+    chunks = [
+        [np.asarray(o) for o in run(*[x[i : i + batch_size] for x in inputs])]
+        for i in range(0, len(inputs[0]), batch_size)
+    ]
+    return [np.concatenate(c) for c in zip(*chunks)]
