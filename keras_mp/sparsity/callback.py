@@ -33,10 +33,22 @@ class StructuredSparsity(keras.callbacks.Callback):
     XLA and `tf.distribute`). The masks are saved with the model and stay
     on after `fit`: call `strip_sparsity` to export. How and when the masks
     are made: `docs/sparsity.md`. Layers inside custom layers, subclassed
-    models and keras-hub backbones are pruned too; their parent's code
-    rebuilds them on load, so their masks are saved in a `.keras` file
-    only through a `SparseModel` around the model (a warning says so when
-    the masks are attached to any other model).
+    models and keras-hub backbones are pruned too. Their parent's code
+    rebuilds them on load without the constraint, so a bare `.keras` file
+    of such a model keeps their zeros (in the weights) but not their
+    masks (a warning says so); a `SparseModel` around the model keeps the
+    masks too, for code that loads it without this callback.
+
+    A kernel that has no mask when the callback attaches but exact zeros
+    in every group (a pruned kernel reloaded as above, or loaded with
+    `load_weights` before the callback attached) gets its mask back from
+    them: the same mask and schedule progress, so training continues as
+    if uninterrupted; only its `kept_magnitude` is unknown (NaN). A mask
+    is never loosened: if the schedule asks for more weights than a mask
+    keeps (an optimizer step that was not restored), the mask stays and
+    a warning says so. Dense weights attached after the schedule reached
+    m:n are pruned again in one shot, with a warning (not for one-shot
+    pruning from `begin_step=0`, which means "when fit starts").
 
     Layers that cannot be pruned are skipped and listed in `self.report`
     (a `SparsityReport`): input channels not a multiple of `n` (this
