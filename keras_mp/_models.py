@@ -1,8 +1,13 @@
-"""One model check, one layer walker, one way to reset compiled functions."""
+"""One model check, one layer walker, one way to reset compiled functions,
+and the base of the containers that save a record beside a model's config."""
+
+import copy
+import json
+import os
 
 import keras
 
-from keras_mp import _keras
+from keras_mp import _keras, io
 
 # Where tf_keras (Keras 2) keeps its model and layer classes.
 _KERAS_2_MODULES = ("tf_keras", "keras.src.engine", "keras.engine")
@@ -161,3 +166,137 @@ def symbolic_inputs(model):
     return keras.tree.map_shape_structure(
         lambda s: keras.Input(batch_shape=(None, *tuple(s)[1:])), shape
     )
+
+
+class RecordedModel(keras.Model):
+    """Base of the containers that save a model as its config plus a record
+    that `from_config` re-applies before the weights load (`QuantizedModel`:
+    the quantization recipe; `SparseModel`: the 2:4 masks).
+
+    Keras rebuilds a custom layer's sublayers (and a subclassed model's or a
+    keras-hub backbone's) from their parent's code, so what keras_mp set on
+    them in place is not in any config. The container is a Functional model
+    calling the inner model (`self.model`) on fresh inputs; its config is
+    `{"name", "trainable", "model", <RECORD_KEY>: record}`. `get_config`
+    (and `save`, before any file is opened) rebuilds the inner model from
+    that config and applies the record, as loading will, so a model that
+    cannot be rebuilt fails at save time with what to do, never at load
+    time with its state missing.
+
+    A subclass sets `RECORD_KEY` and `SAVED_WHAT` (words for the error:
+    "with its 2:4 masks"), and implements `record()`, `apply_record(model,
+    record)` (a classmethod) and `reload_hint()` (where saved weights go
+    instead, for the error); it may override `inner_config()` and
+    `_from_inner`.
+    """
+
+    RECORD_KEY = None
+    SAVED_WHAT = None
+
+    def __init__(self, model, **kwargs):
+        inputs = symbolic_inputs(model)
+        super().__init__(inputs=inputs, outputs=model(inputs), **kwargs)
+        self._rebuilt_config = None
+
+    @property
+    def model(self):
+        """The wrapped model."""
+        return next(
+            layer for layer in self.layers if isinstance(layer, keras.Model)
+        )
+
+    def inner_config(self):
+        """The serialized inner model, as `from_config` rebuilds it."""
+        return keras.saving.serialize_keras_object(self.model)
+
+    def get_config(self):
+        config = {
+            "name": self.name,
+            "trainable": self.trainable,
+            "model": self.inner_config(),
+            self.RECORD_KEY: self.record(),
+        }
+        self._check_rebuild(config)
+        return config
+
+    def save(self, filepath, overwrite=True, **kwargs):
+        """`keras.Model.save`, with the config checked before any file is
+        opened, and a local `.keras` file written to a temporary file that
+        is renamed over `filepath` once complete.
+
+        (`keras.saving.save_model(model, path)` checks the config too, but
+        Keras opens `path` before asking for it: on that error `path` is
+        left empty. `model.save(path)` leaves any previous file intact.)
+        """
+        self.get_config()
+        path = (
+            os.fspath(filepath)
+            if isinstance(filepath, os.PathLike)
+            else filepath
+        )
+        local = isinstance(path, str) and "://" not in path
+        if not (local and path.endswith(".keras")) or (
+            not overwrite and os.path.exists(path)
+        ):
+            return super().save(filepath, overwrite=overwrite, **kwargs)
+        with io.atomic_path(path) as tmp:
+            super().save(tmp, **kwargs)
+
+    def _check_rebuild(self, config):
+        """Rebuilds the inner model from `config` and applies the record, as
+        loading will: a ValueError now rather than a model that loads
+        without its state."""
+        key = json.dumps(config, sort_keys=True, default=str)
+        if key == self._rebuilt_config:
+            return
+        inner = self.model
+        cls = type(inner).__name__
+        try:
+            # A copy: Keras' from_config may consume the dict it is given.
+            rebuilt = keras.saving.deserialize_keras_object(
+                copy.deepcopy(config["model"]), safe_mode=False
+            )
+            if not rebuilt.built:
+                rebuilt.build_from_config(inner.get_build_config())
+            self.apply_record(rebuilt, config[self.RECORD_KEY])
+        except Exception as e:  # any layer's from_config can fail its own way
+            raise ValueError(
+                f"Model {self.name!r} cannot be saved {self.SAVED_WHAT}: "
+                f"{inner.name!r} ({cls}) cannot be rebuilt from its config "
+                f"as loading would ({type(e).__name__}: {e}). Give {cls} a "
+                "`get_config()` returning its constructor arguments and "
+                "register it with "
+                "`keras.saving.register_keras_serializable()`; or save the "
+                "weights only (`model.save_weights(path)`) and load them "
+                f"{self.reload_hint()}."
+            ) from e
+        want = [tuple(v.shape) for v in inner.weights]
+        got = [tuple(v.shape) for v in rebuilt.weights]
+        if want != got:
+            raise ValueError(
+                f"Model {self.name!r} cannot be saved {self.SAVED_WHAT}: "
+                f"{inner.name!r} rebuilt from its config has {len(got)} "
+                f"variables, not the {len(want)} it has now (its config "
+                "does not describe all of its layers). Make its "
+                "`get_config()` return every constructor argument, or save "
+                "the weights only (`model.save_weights(path)`)."
+            )
+        self._rebuilt_config = key
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        inner = keras.saving.deserialize_keras_object(
+            config["model"], custom_objects=custom_objects
+        )
+        record = config[cls.RECORD_KEY]
+        cls.apply_record(inner, record)
+        return cls._from_inner(
+            inner,
+            record,
+            name=config["name"],
+            trainable=config.get("trainable", True),
+        )
+
+    @classmethod
+    def _from_inner(cls, inner, record, **kwargs):
+        return cls(inner, **kwargs)

@@ -9,6 +9,7 @@ from keras_mp.sparsity.masks import (
     SCHEDULES,
     SparsityMask,
     check_m_n,
+    pattern_level,
     pruning_mask,
     value,
 )
@@ -32,10 +33,22 @@ class StructuredSparsity(keras.callbacks.Callback):
     XLA and `tf.distribute`). The masks are saved with the model and stay
     on after `fit`: call `strip_sparsity` to export. How and when the masks
     are made: `docs/sparsity.md`. Layers inside custom layers, subclassed
-    models and keras-hub backbones are pruned too; their parent's code
-    rebuilds them on load, so their masks are saved in a `.keras` file
-    only through a `SparseModel` around the model (a warning says so when
-    the masks are attached to any other model).
+    models and keras-hub backbones are pruned too. Their parent's code
+    rebuilds them on load without the constraint, so a bare `.keras` file
+    of such a model keeps their zeros (in the weights) but not their
+    masks (a warning says so); a `SparseModel` around the model keeps the
+    masks too, for code that loads it without this callback.
+
+    A kernel that has no mask when the callback attaches but exact zeros
+    in every group (a pruned kernel reloaded as above, or loaded with
+    `load_weights` before the callback attached) gets its mask back from
+    them: the same mask and schedule progress, so training continues as
+    if uninterrupted; only its `kept_magnitude` is unknown (NaN). A mask
+    is never loosened: if the schedule asks for more weights than a mask
+    keeps (an optimizer step that was not restored), the mask stays and
+    a warning says so. Dense weights attached after the schedule reached
+    m:n are pruned again in one shot, with a warning (not for one-shot
+    pruning from `begin_step=0`, which means "when fit starts").
 
     Layers that cannot be pruned are skipped and listed in `self.report`
     (a `SparsityReport`): input channels not a multiple of `n` (this
@@ -135,6 +148,7 @@ class StructuredSparsity(keras.callbacks.Callback):
         self.verbose = verbose
         self._targets = []
         self._done = False
+        self._relaxed_warned = False
 
     def kept_at(self, step):
         """Weights kept per group that the schedule asks for at `step`."""
@@ -165,6 +179,7 @@ class StructuredSparsity(keras.callbacks.Callback):
         model = self.model
         chosen = select_layers(model, self.layers)
         self._targets, self._done, added = [], False, False
+        self._relaxed_warned = False
         verdicts = [
             check_eligible(x, self.m, self.n, self.pad, self.skip_unaligned)
             for x in chosen
@@ -180,6 +195,8 @@ class StructuredSparsity(keras.callbacks.Callback):
                 "train it dense. "
                 + (f"Skipped: {reasons}." if chosen else "It has no kernel.")
             )
+        step = self._step()
+        repruned = []
         for layer, verdict in zip(chosen, verdicts):
             if not verdict.ok:
                 self._warn_if_masked(layer, verdict.reason)
@@ -188,7 +205,8 @@ class StructuredSparsity(keras.callbacks.Callback):
             kernel = getattr(layer, weight.attr)
             constraint = kernel.constraint
             if not self._reusable(constraint, weight.in_axis):
-                if isinstance(constraint, SparsityMask):
+                earlier = isinstance(constraint, SparsityMask)
+                if earlier:
                     constraint = constraint.constraint
                 with model.distribute_strategy.scope():
                     constraint = SparsityMask(
@@ -201,7 +219,11 @@ class StructuredSparsity(keras.callbacks.Callback):
                     )
                 attach_mask(layer, constraint)
                 added = True
+                if not earlier and not self._restore(kernel, constraint, step):
+                    repruned.append(layer.name)
             self._targets.append((kernel, constraint))
+        if repruned and self._finished_before(step):
+            self._warn_repruned(model, repruned, step)
         if added:
             # A train step traced before the constraints existed (an earlier
             # `fit`) would not apply them: `fit` traces it again.
@@ -211,6 +233,55 @@ class StructuredSparsity(keras.callbacks.Callback):
             skipped = [r for r in self.report.rows if not r.eligible]
             for row in skipped:
                 print(f"StructuredSparsity: skipping {row.name}: {row.reason}")
+
+    def _step(self):
+        """`optimizer.iterations`, or None for a model not compiled yet."""
+        optimizer = getattr(self.model, "optimizer", None)
+        if optimizer is None:
+            return None
+        return int(value(optimizer.iterations))
+
+    def _restore(self, kernel, constraint, step):
+        """Gives a new mask the pattern of a kernel pruned before it had one
+        (a bare `.keras` reload of a nested layer, `load_weights` before the
+        callback attached, any copy of the weights): its exact zeros, at
+        the level the schedule is at (or the kernel's, when it holds more
+        non-zeros: a schedule step between two batch calls). Returns False,
+        leaving the mask dense, for a kernel without such zeros."""
+        level, dense = pattern_level(
+            value(kernel), constraint.axis, self.n, self.pad
+        )
+        if not 0 < level < dense:
+            return False  # dense, or all zeros (an initializer, not a prune)
+        target = self.n if step is None else self.kept_at(step)
+        constraint.restore(
+            kernel, max(level, target if target < self.n else self.m)
+        )
+        return level <= target
+
+    def _finished_before(self, step):
+        """Whether a batch of `fit` ran at a step where the schedule had
+        reached m:n, before `step`. One-shot pruning from `begin_step=0`
+        (the default) means "prune when fit starts": never."""
+        if step is None or (self.schedule, self.begin_step) == ("one_shot", 0):
+            return False
+        last = self.end_step if self.schedule == "gradual" else self.begin_step
+        spe = int(getattr(self.model, "steps_per_execution", 1) or 1)
+        return step - spe >= last
+
+    def _warn_repruned(self, model, names, step):
+        last = self.end_step if self.schedule == "gradual" else self.begin_step
+        warnings.warn(
+            f"StructuredSparsity: model '{model.name}' is at step {step} "
+            f"(optimizer.iterations), after its {self.schedule} schedule "
+            f"reached {self.m}:{self.n} at step {last}, but these kernels "
+            f"are not {self.m}:{self.n} sparse and have no mask: "
+            f"{', '.join(names)}. They are pruned again in one shot from "
+            "their magnitudes at the next batch. If you meant to resume a "
+            "pruned run, these are not its weights (dense weights loaded?): "
+            "load the pruned weights, or a `SparseModel` file, instead.",
+            stacklevel=4,
+        )
 
     def _warn_if_not_saved(self, model):
         if isinstance(model, SparseModel):
@@ -224,14 +295,18 @@ class StructuredSparsity(keras.callbacks.Callback):
         ]
         if lost:
             warnings.warn(
-                "StructuredSparsity: the masks of these layers are not saved "
-                f"when model '{model.name}' itself is saved as .keras: "
-                "their parent's code rebuilds them on load, without the "
-                f"SparsityMask constraint: {', '.join(lost)}. Save "
-                "`keras_mp.sparsity.SparseModel(model)` instead (its config "
-                "records every mask; `load_model` gives them back), or "
-                "`save_weights` and load them into a model rebuilt by the "
-                "same code after `StructuredSparsity(...).set_model(model)`.",
+                f"StructuredSparsity: saved as .keras, model '{model.name}' "
+                "keeps the zeros of these layers' kernels (in the weights) "
+                "but not their SparsityMask constraints (their parent's "
+                f"code rebuilds them on load without it): {', '.join(lost)}. "
+                "A StructuredSparsity attached again (`fit` with it, or "
+                "`set_model`) restores each mask from its kernel's zeros; "
+                "the kept |w| share is then unknown, and until then an "
+                "optimizer step fills the zeros. To keep the masks "
+                "themselves, for code that loads the model without the "
+                "callback (training, inference or checks that must see the "
+                "masks, `sparse_layers`, `sparsity_report`), save "
+                "`keras_mp.sparsity.SparseModel(model)` instead.",
                 stacklevel=4,
             )
 
@@ -272,10 +347,30 @@ class StructuredSparsity(keras.callbacks.Callback):
     def on_train_batch_begin(self, batch, logs=None):
         if self._done:
             return
-        target = self.kept_at(int(value(self.model.optimizer.iterations)))
+        step = int(value(self.model.optimizer.iterations))
+        target = self.kept_at(step)
+        relaxed = []
         for kernel, constraint in self._targets:
-            if int(value(constraint.kept)) != target:
+            kept = int(value(constraint.kept))
+            if kept < target:
+                relaxed.append(kernel.path)  # pruning never loosens a mask
+            elif kept > target:
                 constraint.prune(kernel, target)
+        if relaxed and not self._relaxed_warned:
+            self._relaxed_warned = True
+            warnings.warn(
+                f"StructuredSparsity: at step {step} (optimizer.iterations) "
+                f"the {self.schedule} schedule keeps {target} of "
+                f"{self.n} weights per group, but these kernels are already "
+                f"pruned further: {', '.join(relaxed)}. Their masks stay as "
+                "they are (pruning never loosens a mask); the schedule takes "
+                "over when it reaches their level. If you meant to resume a "
+                "pruned run, its optimizer step was not restored: load the "
+                "`.keras` file with its optimizer, or build the optimizer "
+                "(`model.optimizer.build(model.trainable_variables)`) "
+                "before `load_weights`.",
+                stacklevel=2,
+            )
         self._done = target == self.m
 
     def get_config(self):

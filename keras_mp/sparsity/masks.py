@@ -125,6 +125,21 @@ def is_2_4_sparse(kernel, axis, m=2, n=4, pad=False):
     return bool(np.all(np.sum(groups > 0, axis=-1) <= m))
 
 
+def pattern_level(kernel, axis, n=4, pad=False):
+    """The most non-zeros in any group of `n` input channels of `kernel`,
+    and the most channels in any group (`n`, or fewer with `pad=True` when
+    the kernel has fewer than `n` channels): `(level, dense)`.
+
+    A kernel with `level < dense` has exact zeros in every group, as a
+    pruned kernel has (the optimizer multiplies it by its mask after every
+    update); a trained dense kernel has `level == dense`.
+    """
+    groups, _ = _groups(kernel, axis, n, pad)
+    level = int(np.max(np.sum(groups > 0, axis=-1)))
+    dense = int(np.max(np.sum(groups >= 0, axis=-1)))
+    return level, dense
+
+
 def pruning_mask(kernel):
     """The `SparsityMask` of `kernel` when it has pruned it, else None."""
     constraint = getattr(kernel, "constraint", None)
@@ -180,7 +195,8 @@ class SparsityMask(keras.constraints.Constraint, _keras.SaveableState):
         self.kept = keras.Variable(
             self.n, dtype="int32", trainable=False, name="sparsity_kept"
         )
-        # Fraction of the dense |w| that the pruning steps kept.
+        # Fraction of the dense |w| that the pruning steps kept; NaN when
+        # unknown (a mask restored from the zeros of a kernel).
         self.kept_magnitude = keras.Variable(
             1.0, dtype="float32", trainable=False, name="kept_magnitude"
         )
@@ -211,6 +227,36 @@ class SparsityMask(keras.constraints.Constraint, _keras.SaveableState):
         self.kept.assign(kept)
         self.kept_magnitude.assign(value(self.kept_magnitude) * ratio)
         kernel.assign(w * mask)
+
+    def restore(self, kernel, kept):
+        """Sets the mask from the zeros of `kernel`, pruned earlier to at
+        most `kept` non-zeros per group, without changing the kernel.
+
+        The mask is the one `prune(kernel, kept)` makes: on such a kernel
+        it keeps every non-zero and, in a group with fewer than `kept`
+        (dead weights), the lowest-index zeros, which is what the earlier
+        mask kept there unless a weight it kept is exactly zero now.
+        `kept_magnitude` becomes NaN (unknown): the dense kernel it was a
+        share of is gone.
+
+        Args:
+            kernel: the kernel variable this constraint belongs to.
+            kept: int. Weights kept per group.
+
+        Raises:
+            ValueError: `kernel` has more than `kept` non-zeros in a group.
+        """
+        w = value(kernel)
+        level, _ = pattern_level(w, self.axis, self.n, self.pad)
+        if level > kept:
+            raise ValueError(
+                f"The kernel has {level} non-zeros in a group of {self.n}, "
+                f"more than kept={kept}: it is not a pruned kernel to "
+                "restore a mask from. Call `prune(kernel, kept)`."
+            )
+        self.mask.assign(magnitude_mask(w, self.axis, kept, self.n, self.pad))
+        self.kept.assign(kept)
+        self.kept_magnitude.assign(float("nan"))
 
     def _state(self):
         return [self.mask, self.kept, self.kept_magnitude]

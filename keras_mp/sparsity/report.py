@@ -40,8 +40,10 @@ class LayerSparsity:
         pattern_valid: bool or None. The kernel satisfies m:n now.
         fraction_zero: float or None. Share of kernel entries that are 0.
         kept_magnitude: float or None. Share of the dense sum |w| that m:n
-            keeps: recorded at pruning time for a masked layer, otherwise
-            what magnitude pruning of the current kernel would keep.
+            keeps: recorded at pruning time for a masked layer (None when
+            unknown: a mask `StructuredSparsity` restored from the zeros of
+            a kernel that lost its mask), otherwise what magnitude pruning
+            of the current kernel would keep.
         kept_magnitude_permuted: float or None. For an unpruned layer, when
             the report was asked for permutations: the share m:n would keep
             after the input-channel order `search_permutation` finds
@@ -128,7 +130,9 @@ def _row(layer, m, n, pad, permutation, skip_unaligned):
     row.pattern_valid = is_2_4_sparse(w, axis, m, n, pad)
     row.fraction_zero = float(np.mean(w == 0))
     if row.masked:
-        row.kept_magnitude = float(value(mask.kept_magnitude))
+        kept = float(value(mask.kept_magnitude))
+        # NaN: a mask restored from the zeros of its kernel (unknown).
+        row.kept_magnitude = None if np.isnan(kept) else kept
     else:
         total = np.abs(w).sum()
         kept = np.abs(w * magnitude_mask(w, axis, m, n, pad)).sum()

@@ -10,9 +10,6 @@ rebuilds the inner model, attaches the masks, and only then do the weights
 and the mask variables load.
 """
 
-import copy
-import json
-
 import keras
 
 from keras_mp import _models, layer_table
@@ -85,7 +82,7 @@ def apply_mask_record(model, record):
 
 
 @keras.saving.register_keras_serializable(package="keras_mp")
-class SparseModel(keras.Model):
+class SparseModel(_models.RecordedModel):
     """A model whose 2:4 masks survive `.keras` save/load at any depth.
 
     Wrap a model whose pruned layers sit inside custom layers, a subclassed
@@ -114,76 +111,18 @@ class SparseModel(keras.Model):
     >>> sparse.save("sparse.keras")  # doctest: +SKIP
     """
 
-    def __init__(self, model, **kwargs):
-        inputs = _models.symbolic_inputs(model)
-        super().__init__(inputs=inputs, outputs=model(inputs), **kwargs)
-        self._rebuilt_config = None
+    RECORD_KEY = "sparsity"
+    SAVED_WHAT = "with its 2:4 masks"
 
-    @property
-    def model(self):
-        """The wrapped model."""
-        return next(
-            layer for layer in self.layers if isinstance(layer, keras.Model)
-        )
-
-    def get_config(self):
-        config = {
-            "name": self.name,
-            "trainable": self.trainable,
-            "model": keras.saving.serialize_keras_object(self.model),
-            "sparsity": mask_record(self.model),
-        }
-        self._check_rebuild(config)
-        return config
-
-    def _check_rebuild(self, config):
-        """Rebuilds the inner model from `config` and attaches the masks,
-        as loading will: a ValueError now, not a model that loads without
-        its masks."""
-        key = json.dumps(config, sort_keys=True, default=str)
-        if key == self._rebuilt_config:
-            return
-        inner = self.model
-        try:
-            rebuilt = keras.saving.deserialize_keras_object(
-                copy.deepcopy(config["model"]), safe_mode=False
-            )
-            if not rebuilt.built:
-                rebuilt.build_from_config(inner.get_build_config())
-            apply_mask_record(rebuilt, config["sparsity"])
-        except Exception as e:  # any layer's from_config can fail its own way
-            raise ValueError(
-                f"Model {self.name!r} cannot be saved with its 2:4 masks: "
-                f"{inner.name!r} ({type(inner).__name__}) cannot be rebuilt "
-                f"from its config as loading would ({type(e).__name__}: "
-                f"{e}). Give {type(inner).__name__} a `get_config()` "
-                "returning its constructor arguments and register it with "
-                "`keras.saving.register_keras_serializable()`; or save the "
-                "weights only (`model.save_weights(path)`) and load them "
-                "into a model rebuilt by the same code, after "
-                "`StructuredSparsity(...).set_model(model)`."
-            ) from e
-        want = [tuple(v.shape) for v in inner.weights]
-        got = [tuple(v.shape) for v in rebuilt.weights]
-        if want != got:
-            raise ValueError(
-                f"Model {self.name!r} cannot be saved with its 2:4 masks: "
-                f"{inner.name!r} rebuilt from its config has {len(got)} "
-                f"variables, not the {len(want)} it has now (its config "
-                "does not describe all of its layers). Make its "
-                "`get_config()` return every constructor argument, or save "
-                "the weights only (`model.save_weights(path)`)."
-            )
-        self._rebuilt_config = key
+    def record(self):
+        return mask_record(self.model)
 
     @classmethod
-    def from_config(cls, config, custom_objects=None):
-        inner = keras.saving.deserialize_keras_object(
-            config["model"], custom_objects=custom_objects
-        )
-        apply_mask_record(inner, config["sparsity"])
-        return cls(
-            inner,
-            name=config["name"],
-            trainable=config.get("trainable", True),
+    def apply_record(cls, model, record):
+        apply_mask_record(model, record)
+
+    def reload_hint(self):
+        return (
+            "into a model rebuilt by the same code, after "
+            "`StructuredSparsity(...).set_model(model)`"
         )

@@ -337,8 +337,8 @@ def test_custom_layer_and_subclassed_model_masks_and_reload(tmp_path):
     """The callback reaches the Dense inside a custom layer and in a
     subclassed model; saved without a `SparseModel` around it, their masks
     are not in the .keras file (their parent rebuilds them) and it says so,
-    naming the fix; pruning the reloaded model again gives the same masks
-    back."""
+    naming the fix; attaching the callback to the reloaded model gives the
+    same masks back (restored from the kernels' zeros)."""
     model = Net(name="net")
     x, y = (
         np.random.default_rng(0).normal(size=(32, 8)).astype("float32"),
@@ -346,7 +346,10 @@ def test_custom_layer_and_subclassed_model_masks_and_reload(tmp_path):
     )
     model(x[:1])
     compile_model(model)
-    with pytest.warns(UserWarning, match=r"not saved.*: dense.*SparseModel"):
+    with pytest.warns(
+        UserWarning,
+        match=r"keeps the zeros.*not their SparsityMask.*: dense.*SparseModel",
+    ):
         model.fit(
             x,
             y,
@@ -364,7 +367,7 @@ def test_custom_layer_and_subclassed_model_masks_and_reload(tmp_path):
     assert not sparse_layers(loaded)  # the masks did not come back
     loaded.compile(keras.optimizers.SGD(), "mse")
     again = StructuredSparsity()
-    with pytest.warns(UserWarning, match="not saved"):
+    with pytest.warns(UserWarning, match="not their SparsityMask"):
         again.set_model(loaded)
     again.on_train_batch_begin(0)  # what `fit` does first: prune
     regained = _nested_masks(loaded)
@@ -390,7 +393,7 @@ def test_keras_hub_bert_and_vit_every_dense_pruned():
         out = keras.ops.convert_to_numpy(model(inputs))
         rows = permute_for_sparsity(model)  # before pruning, as documented
         model.compile("adam", "mse")
-        with pytest.warns(UserWarning, match="not saved"):
+        with pytest.warns(UserWarning, match="not their SparsityMask"):
             model.fit(
                 inputs,
                 np.zeros_like(out),
