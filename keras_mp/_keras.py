@@ -327,7 +327,6 @@ _HUB_ATTENTION = {
         ("qwen3.qwen3_attention", "Qwen3Attention"),
         ("qwen3_moe.qwen3_moe_attention", "Qwen3MoeAttention"),
         ("phi3.phi3_attention", "Phi3Attention"),
-        ("smollm3.smollm3_layers", "SmolLM3Attention"),
         ("gpt_neo_x.gpt_neo_x_attention", "GPTNeoXAttention"),
     ),
     "gemma": (

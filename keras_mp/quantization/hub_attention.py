@@ -58,7 +58,7 @@ def _quantizer(q):
 class QuantizedHookedAttention(_HubAttention):
     """The twin of a keras-hub attention layer whose `_compute_attention`
     takes the projected query, key and value, and scales the scores after
-    the first matmul (Llama, Mistral, Mixtral, Qwen, Phi-3, SmolLM3,
+    the first matmul (Llama, Mistral, Mixtral, Qwen, Phi-3,
     GPT-NeoX): Q/DQ on those three arguments and on the output of its
     `_masked_softmax`; the exported graph reads `Q/DQ -> MatMul -> Mul
     (scale) -> Softmax -> Q/DQ -> MatMul`. The layer's own code runs
