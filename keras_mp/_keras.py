@@ -3,12 +3,15 @@
 Every private attribute, `keras.src` or `tensorflow.python` import that
 keras_mp relies on is here, so a Keras or TensorFlow release that moves one
 breaks this module only, loudly. Read from Keras 3.15.1 and TensorFlow
-2.21.0 (tested there); `check_versions` warns once on a Keras outside the
-range below and fails on one that lacks a method keras_mp overrides.
+2.21.0 (tested there), and keras-hub 0.32 for its attention layers;
+`check_versions` warns once on a Keras outside the range below and fails
+on one that lacks a method keras_mp overrides.
 """
 
 import contextlib
+import functools
 import re
+import sys
 import warnings
 
 import keras
@@ -217,7 +220,11 @@ def unlocked(layer):
 def attention_projections(layer):
     """The query, key and value projections (EinsumDense) of a built
     `keras.layers.MultiHeadAttention`, and its gate projection or None:
-    the layers whose input the attention layer receives."""
+    the layers whose input the attention layer receives. `()` for a
+    keras-hub attention layer that is not a MultiHeadAttention: its
+    projections quantize their own inputs."""
+    if not isinstance(layer, keras.layers.MultiHeadAttention):
+        return ()
     return (
         layer._query_dense,
         layer._key_dense,
@@ -300,3 +307,140 @@ def is_plain_graph_model(model):
     `keras.Model(inputs, outputs)`, not a subclass of either (keras-hub
     backbones are Functional subclasses with their own config)."""
     return type(model) in (keras.Sequential, Functional)
+
+
+# keras-hub attention layers that are not MultiHeadAttention subclasses,
+# by how keras_mp reaches their two attention matmuls (keras-hub 0.32):
+# "hooks": `_compute_attention(query, key, value, ...)` computes
+# `einsum(q, k)`, the scale multiply on the scores, `_masked_softmax` and
+# `einsum(probs, v)`, so Q/DQ on its q, k, v arguments and on
+# `_masked_softmax`'s output sit on the matmul inputs;
+# "gemma": the scale multiplies the query inside `_compute_attention`,
+# which `gemma_einsum_attention` reimplements.
+_HUB_ATTENTION = {
+    "hooks": (
+        ("llama.llama_attention", "LlamaAttention"),
+        ("mistral.mistral_attention", "CachedMistralAttention"),
+        ("mixtral.mixtral_attention", "CachedMixtralAttention"),
+        ("qwen.qwen_attention", "QwenAttention"),
+        ("qwen_moe.qwen_moe_attention", "QwenMoeAttention"),
+        ("qwen3.qwen3_attention", "Qwen3Attention"),
+        ("qwen3_moe.qwen3_moe_attention", "Qwen3MoeAttention"),
+        ("phi3.phi3_attention", "Phi3Attention"),
+        ("gpt_neo_x.gpt_neo_x_attention", "GPTNeoXAttention"),
+    ),
+    "gemma": (
+        ("gemma.gemma_attention", "CachedGemmaAttention"),
+        ("gemma3.gemma3_attention", "CachedGemma3Attention"),
+    ),
+}
+
+
+@functools.cache
+def _hub_attention_methods():
+    """`{kind: [(float class, its methods keras_mp relies on)]}` of the
+    keras-hub classes in `_HUB_ATTENTION` this keras-hub has."""
+    import importlib
+
+    found = {}
+    for kind, names in _HUB_ATTENTION.items():
+        found[kind] = []
+        for module, name in names:
+            try:
+                cls = getattr(
+                    importlib.import_module(f"keras_hub.src.models.{module}"),
+                    name,
+                )
+            except (ImportError, AttributeError):
+                continue  # moved in another keras-hub: not supported
+            methods = ["_compute_attention"]
+            if kind == "hooks":
+                methods.append("_masked_softmax")
+            found[kind].append((cls, [getattr(cls, m) for m in methods]))
+    return found
+
+
+def hub_attention_kind(cls):
+    """How keras_mp reaches the attention matmuls of layer class `cls`:
+    `"hooks"` or `"gemma"` (see `_HUB_ATTENTION`) for a keras-hub attention
+    class listed there, or a subclass that keeps its attention methods;
+    None otherwise (keras-hub not imported, or a class that computes
+    attention its own way)."""
+    if "keras_hub" not in sys.modules:
+        return None  # no keras-hub layer can exist
+    for kind, classes in _hub_attention_methods().items():
+        for base, methods in classes:
+            if issubclass(cls, base) and all(
+                getattr(cls, m.__name__) is m for m in methods
+            ):
+                return kind
+    return None
+
+
+def gemma_einsum_attention(
+    layer, q, k, v, attention_mask, training, cache_update_index, quantize
+):
+    """keras-hub `CachedGemmaAttention._compute_attention`'s einsum path
+    (Gemma, Gemma 2, Gemma 3), with a hook on each input of the two
+    attention matmuls.
+
+    The same operations in the same order as keras-hub 0.32 when
+    `_use_fused_attention_op()` is False: the query scaled, the grouped
+    query einsum, the optional logit soft cap, the masked `Softmax`
+    sublayer, dropout, the value einsum (a test checks the outputs are
+    identical with the hooks the identity).
+
+    Args:
+        layer: the attention layer.
+        q, k, v: the projected, rotated tensors, `(B, T, N, H)`, `(B, S,
+            K, H)`.
+        attention_mask: boolean mask `(B, T, S)` or None.
+        training: bool or None, for the attention dropout.
+        cache_update_index: int or tensor, for the sliding window.
+        quantize: dict of callables by `"query"` (the scaled query),
+            `"key"`, `"probs"` (the softmax output, after dropout) and
+            `"value"`.
+
+    Returns:
+        The attention output, `(B, T, N, H)`.
+    """
+    import numpy as np
+    from keras import ops
+
+    if layer.query_head_dim_normalize:
+        query_normalization = 1 / np.sqrt(layer.head_dim)
+    else:
+        query_normalization = 1 / np.sqrt(
+            layer.hidden_dim // layer.num_query_heads
+        )
+    if layer.use_sliding_window_attention and attention_mask is not None:
+        attention_mask = layer._mask_sliding_window(
+            attention_mask, cache_update_index=cache_update_index
+        )
+    q = q * ops.cast(query_normalization, dtype=q.dtype)
+    q = quantize["query"](q)
+    q_shape = ops.shape(q)
+    q = ops.reshape(
+        q,
+        (
+            *q_shape[:-2],
+            layer.num_key_value_heads,
+            layer.num_query_heads // layer.num_key_value_heads,
+            q_shape[-1],
+        ),
+    )
+    b, q_len, _, _, h = ops.shape(q)
+    logits = ops.einsum("btkgh,bskh->bkgts", q, quantize["key"](k))
+    if layer.logit_soft_cap is not None:
+        logits = ops.divide(logits, layer.logit_soft_cap)
+        logits = ops.multiply(ops.tanh(logits), layer.logit_soft_cap)
+    if attention_mask is not None:
+        attention_mask = attention_mask[:, None, None, :, :]
+    probs = layer.softmax(logits, mask=attention_mask)
+    probs = ops.cast(probs, logits.dtype)
+    if layer.dropout:
+        probs = layer.dropout_layer(probs, training=training)
+    results = ops.einsum(
+        "bkgts,bskh->btkgh", quantize["probs"](probs), quantize["value"](v)
+    )
+    return ops.reshape(results, (b, q_len, layer.num_query_heads, h))

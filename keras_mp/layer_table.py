@@ -15,6 +15,8 @@ import math
 
 import keras
 
+from keras_mp import _keras
+
 L = keras.layers
 
 # Which inputs of a layer get a Q/DQ (TensorRT's placement rules).
@@ -139,6 +141,13 @@ _POOL = LayerRow(quantizable=True, permute=CHANNELWISE)
 _ATTENTION = LayerRow(
     inputs=ALL_INPUTS, quantizable=True, weighted=True, attention=True
 )
+# keras-hub's own attention layers (Gemma, Llama, ...; which ones:
+# `_keras.hub_attention_kind`): their projections are EinsumDense rows that
+# quantize their own inputs; the row places the Q/DQ of both attention
+# matmuls.
+_HUB_ATTENTION_ROW = LayerRow(
+    inputs=NO_INPUTS, quantizable=True, weighted=True, attention=True
+)
 # TensorRT moves the next weighted layer's input Q backwards across a
 # Concatenate into its producers; Q/DQ on its own inputs only add
 # requantizations: off by default, as for pooling.
@@ -243,7 +252,31 @@ def row_for(layer):
         row = TABLE.get(cls)
         if row is not None:
             return row(layer) if callable(row) else row
+    float_class = getattr(type(layer), "float_class", None) or type(layer)
+    if _keras.hub_attention_kind(float_class):
+        return _HUB_ATTENTION_ROW
     return None
+
+
+def float_attention_note(layer):
+    """Why the attention matmuls of float (not quantized) `layer` run in
+    float, or "" when it is not an attention layer: a keras-hub attention
+    row left out, or a layer named `...Attention...` with sublayers or
+    weights whose type the table does not know."""
+    row = row_for(layer)
+    if row is not None:
+        if row is _HUB_ATTENTION_ROW:
+            return (
+                "attention matmuls run in float: not selected, or "
+                "QuantizeConfig(attention=False); its projections are "
+                "listed on their own rows"
+            )
+        return ""
+    name = type(layer).__name__
+    holds = _keras.sublayers(layer) or _keras.own_variables(layer)
+    if "Attention" in name and holds:
+        return f"attention matmuls run in float: {name} not supported"
+    return ""
 
 
 def quantizable_names():

@@ -17,7 +17,7 @@ import numpy as np
 
 from keras_mp import _inputs, _keras, _models, layer_table
 from keras_mp.layer_table import ALL_INPUTS, NO_INPUTS, SKIP_INPUTS
-from keras_mp.quantization import attention, twins
+from keras_mp.quantization import attention, hub_attention, twins
 from keras_mp.quantization.attention import (
     ATTENTION_MATMUL_INPUTS,
     QuantizedAttention,
@@ -101,11 +101,12 @@ def check_same_structure(model, layers, what):
 @functools.cache
 def twin_class(cls):
     """The quantized twin of layer class `cls`: a subclass of it and of
-    `QuantizedLayer` (`QuantizedAttention` for attention layers)."""
+    `QuantizedLayer` (`QuantizedAttention` for attention layers,
+    `hub_attention`'s twins for keras-hub's own attention layers)."""
     base = (
         QuantizedAttention
         if issubclass(cls, keras.layers.MultiHeadAttention)
-        else QuantizedLayer
+        else hub_attention.twin_base(cls) or QuantizedLayer
     )
     return type(
         f"Quantized{cls.__name__}",
@@ -315,7 +316,7 @@ def make_recipe(structure, choices, skip_indices):
         if row.attention:
             inputs = (
                 []
-                if config.quantize_inputs is False
+                if config.quantize_inputs is False or row.inputs == NO_INPUTS
                 else _attention_inputs(calls.get(id(layer)))
             )
             if not inputs and not config.attention:

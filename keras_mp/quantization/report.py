@@ -42,6 +42,9 @@ def _quantized_row(layer):
 
 
 def _float_note(layer):
+    attention = layer_table.float_attention_note(layer)
+    if attention:
+        return attention
     known = layer_table.row_for(layer) is not None
     row = quantizable_row(layer)
     if not known and _keras.sublayers(layer):

@@ -1,0 +1,144 @@
+"""Quantized twins of keras-hub's own attention layers (Gemma, Llama, ...).
+
+keras-hub's decoder LLMs compute attention in plain `keras.layers.Layer`
+classes, not `MultiHeadAttention`: their query, key, value and output
+projections are EinsumDense sublayers (quantized as any EinsumDense, each
+with its own input Q/DQ), and the two attention matmuls are `ops.einsum`
+calls inside the layer's `_compute_attention`. These twins put TensorRT's
+Q/DQ on the inputs of both matmuls (the query and key; the softmax output
+and the value), force the einsum path over `ops.dot_product_attention`,
+and with their quantizers off are the float layer exactly. Which classes
+are reached, and how, is `keras_mp._keras.hub_attention_kind`.
+"""
+
+from keras_mp import _keras
+from keras_mp.quantization.attention import ATTENTION_MATMUL_INPUTS
+from keras_mp.quantization.twins import QuantizedLayer, _like
+
+
+class _HubAttention(QuantizedLayer):
+    """What both keras-hub attention twins share.
+
+    State, set by `recipe.attach`: `attention_quantizers`, one
+    `QuantizeActivation` per name of `ATTENTION_MATMUL_INPUTS` (empty with
+    `QuantizeConfig(attention=False)`, which leaves the layer float).
+    """
+
+    def named_quantizers(self):
+        return {
+            f"attention_{name}": q
+            for name, q in zip(
+                ATTENTION_MATMUL_INPUTS, self.attention_quantizers
+            )
+        }
+
+    def _quantizing(self):
+        return bool(self.attention_quantizers) and self.enabled
+
+    def _hooks(self):
+        """`{matmul input name: fake-quantize callable}`."""
+        return {
+            name: _quantizer(q)
+            for name, q in zip(
+                ATTENTION_MATMUL_INPUTS, self.attention_quantizers
+            )
+        }
+
+    def _use_fused_attention_op(self):
+        # `ops.dot_product_attention` has no hook between its matmuls.
+        if self._quantizing():
+            return False
+        return super()._use_fused_attention_op()
+
+
+def _quantizer(q):
+    return lambda x: _like(q(x), x)
+
+
+class QuantizedHookedAttention(_HubAttention):
+    """The twin of a keras-hub attention layer whose `_compute_attention`
+    takes the projected query, key and value, and scales the scores after
+    the first matmul (Llama, Mistral, Mixtral, Qwen, Phi-3,
+    GPT-NeoX): Q/DQ on those three arguments and on the output of its
+    `_masked_softmax`; the exported graph reads `Q/DQ -> MatMul -> Mul
+    (scale) -> Softmax -> Q/DQ -> MatMul`. The layer's own code runs
+    unchanged in between."""
+
+    def _compute_attention(self, query, key, value, *args, **kwargs):
+        if not self._quantizing():
+            return super()._compute_attention(
+                query, key, value, *args, **kwargs
+            )
+        hooks = self._hooks()
+        self._probs_quantized = False
+        output = super()._compute_attention(
+            hooks["query"](query),
+            hooks["key"](key),
+            hooks["value"](value),
+            *args,
+            **kwargs,
+        )
+        if not self._probs_quantized:
+            raise RuntimeError(
+                f"Layer {self.name!r} ({self.float_class.__name__}) computed "
+                "attention without calling `_masked_softmax`, so its softmax "
+                "output has no Q/DQ: this keras-hub release computes "
+                "attention differently from the one keras_mp was checked "
+                "against (keras_mp/_keras.py). Quantize the model with "
+                "`QuantizeConfig(attention=False)` for this layer, and "
+                "report it."
+            )
+        return output
+
+    def _masked_softmax(self, attention_scores, attention_mask=None):
+        probs = super()._masked_softmax(attention_scores, attention_mask)
+        if not self._quantizing():
+            return probs
+        self._probs_quantized = True
+        return self._hooks()["probs"](probs)
+
+
+class QuantizedGemmaAttention(_HubAttention):
+    """The twin of keras-hub's `CachedGemmaAttention` (and Gemma 3's): the
+    query is scaled before the first matmul, so the einsum path is
+    reimplemented (`_keras.gemma_einsum_attention`) with the Q/DQ after
+    the scale multiply: `Mul(scale) -> Q/DQ -> MatMul -> Softmax -> Q/DQ
+    -> MatMul`."""
+
+    def _compute_attention(
+        self,
+        q,
+        k,
+        v,
+        attention_mask,
+        training=False,
+        cache_update_index=0,
+    ):
+        if not self._quantizing():
+            return super()._compute_attention(
+                q,
+                k,
+                v,
+                attention_mask,
+                training=training,
+                cache_update_index=cache_update_index,
+            )
+        return _keras.gemma_einsum_attention(
+            self,
+            q,
+            k,
+            v,
+            attention_mask,
+            training,
+            cache_update_index,
+            self._hooks(),
+        )
+
+
+_TWINS = {"hooks": QuantizedHookedAttention, "gemma": QuantizedGemmaAttention}
+
+
+def twin_base(cls):
+    """The twin base class for keras-hub attention class `cls`, or None
+    for a class keras_mp does not reach."""
+    return _TWINS.get(_keras.hub_attention_kind(cls))
