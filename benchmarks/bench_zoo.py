@@ -107,7 +107,10 @@ INTRO = (
     "out; `_seq16`: the same backbone called on inputs of fixed length 16, "
     "as a classifier feeds it), `ViTBackbone` (32x32, patch 8, 2 layers, "
     "hidden 32), "
-    "`ResNetBackbone` (basic blocks, stages of 64 and 128 filters). "
+    "`ResNetBackbone` (basic blocks, stages of 64 and 128 filters), "
+    "`GemmaBackbone` and `LlamaBackbone` (2 layers, hidden 32, 2 query "
+    "heads sharing 1 key/value head; `token_ids` and `padding_mask` of "
+    "length 16). "
     "Float: `export_onnx` then `verify_onnx` on 8 random inputs (goal: "
     "relative L2 <= 1e-4, the worst output of several; beside it, Keras "
     "float32 and ONNX Runtime float32 against the model computed in float64 "
@@ -228,6 +231,40 @@ def _vit_tiny():
     )
 
 
+def _lm_token_batch(rng, n):
+    """`n` decoder-LM inputs (Gemma, Llama): `token_ids` in [1, `VOCAB`)
+    and a `padding_mask` of a random length (2 to `SEQ` tokens) each."""
+    batch = _token_batch(rng, n)
+    return {k: batch[k] for k in ("token_ids", "padding_mask")}
+
+
+def _gemma_tiny():
+    # Grouped-query attention (2 query heads, 1 key/value head), RMSNorm,
+    # gated GELU MLP, rotary embeddings, the query scaled in the attention.
+    return _keras_hub().models.GemmaBackbone(
+        vocabulary_size=VOCAB,
+        num_layers=2,
+        num_query_heads=2,
+        num_key_value_heads=1,
+        hidden_dim=32,
+        intermediate_dim=64,
+        head_dim=16,
+    )
+
+
+def _llama_tiny():
+    # As Gemma, but the scale multiplies the scores after the first matmul
+    # (Mistral, Qwen, Phi-3 and GPT-NeoX attention share this code path).
+    return _keras_hub().models.LlamaBackbone(
+        vocabulary_size=VOCAB,
+        num_layers=2,
+        num_query_heads=2,
+        num_key_value_heads=1,
+        hidden_dim=32,
+        intermediate_dim=64,
+    )
+
+
 def _resnet_basic():
     # keras-hub's ResNet needs 64 filters in its first stage (and so in
     # the stem, for the basic block's identity shortcut).
@@ -285,6 +322,8 @@ HUB = {
     "BertBackbone_tiny_seq16": (_bert_tiny_fixed, _token_batch),
     "ViTBackbone_tiny": (_vit_tiny, _images((32, 32, 3))),
     "ResNetBackbone_basic": (_resnet_basic, _images((32, 32, 3))),
+    "GemmaBackbone_tiny": (_gemma_tiny, _lm_token_batch),
+    "LlamaBackbone_tiny": (_llama_tiny, _lm_token_batch),
 }
 ZOO = {**APPLICATIONS, **HUB}
 # The fast subset: depthwise convolutions and residual Adds (MobileNetV2),
