@@ -88,6 +88,25 @@ def walk_layers(root, include_models=False, stop_at=(), with_parents=False):
     yield from visit(root, ())
 
 
+def layer_paths(root, stop_at=()):
+    """`{id(layer): path}` for every layer inside `root` (as `walk_layers`
+    walks it): the names from `root`'s top-level layer down to the layer,
+    joined by "/". A top-level layer's path is its name; a nested one's
+    tells it apart from its namesakes (every keras-hub encoder block has a
+    `query`)."""
+    return {
+        id(layer): layer_path(layer, parents)
+        for layer, parents in walk_layers(
+            root, stop_at=stop_at, with_parents=True
+        )
+    }
+
+
+def layer_path(layer, parents):
+    """The path of `layer` below `parents` (from `walk_layers`)."""
+    return "/".join(p.name for p in parents + (layer,))
+
+
 def reset_compiled_functions(model):
     """Makes `fit`, `evaluate` and `predict` trace their functions again,
     with the current layer state (new constraints, quantizers turned off).

@@ -11,7 +11,9 @@ from keras_mp import _models
 
 @dataclasses.dataclass
 class LayerAudit:
-    """One row of an `AuditReport`: a layer's dtypes and findings."""
+    """One row of an `AuditReport`: a layer's dtypes and findings. `name`
+    is the layer's name, or for a layer inside a nested model or custom
+    layer its path from the top-level layer (`"encoder/block_0/query"`)."""
 
     name: str
     class_name: str
@@ -119,15 +121,23 @@ def mixed_precision_audit(model, batch_size=None, verbose=True):
             "unknown. Call it on a batch or call `model.build(input_shape)` "
             "first."
         )
+    from keras_mp.quantization.layers import QuantizeActivation
+    from keras_mp.quantization.twins import WeightQuantizer
+
+    quantizers = (QuantizeActivation, WeightQuantizer)
+
     rows = []
     # A wrapper (quantize, fixed point) is one row: its inner layer and
-    # quantizers are not layers of the model's own.
-    for layer in _models.walk_layers(model, stop_at=(keras.layers.Wrapper,)):
-        if isinstance(layer, keras.layers.InputLayer):
+    # quantizers are not layers of the model's own; nor are the quantizers
+    # a layer quantized in place owns. Nested layers are named by path.
+    for layer, parents in _models.walk_layers(
+        model, stop_at=(keras.layers.Wrapper,), with_parents=True
+    ):
+        if isinstance(layer, (keras.layers.InputLayer, *quantizers)):
             continue
         rows.append(
             LayerAudit(
-                name=layer.name,
+                name=_models.layer_path(layer, parents),
                 class_name=type(layer).__name__,
                 compute_dtype=layer.compute_dtype,
                 variable_dtype=layer.variable_dtype,

@@ -93,7 +93,7 @@ def quantization_report(model, verbose=True):
     ):
         if isinstance(layer, keras.layers.InputLayer) or id(layer) in owned:
             continue
-        path = "/".join(p.name for p in parents + (layer,))
+        path = _models.layer_path(layer, parents)
         row = {"layer": layer.name, "path": path, "type": type(layer).__name__}
         if isinstance(layer, QuantizeWrapper) or twins.is_quantized(layer):
             row.update(_quantized_row(layer))

@@ -27,7 +27,9 @@ class LayerSparsity:
     """One row of a `SparsityReport`.
 
     Attributes:
-        name: str. Layer name.
+        name: str. Layer name; for a layer inside a nested model or custom
+            layer, its path from the model's top-level layer
+            (`"encoder/block_0/query"`).
         class_name: str. Layer class.
         kernel_shape: tuple or None. Shape of the prunable kernel.
         axis: int or None. Input-channel axis of that kernel.
@@ -107,8 +109,8 @@ class SparsityReport:
         return "\n".join(text)
 
 
-def _row(layer, m, n, pad, permutation, skip_unaligned):
-    row = LayerSparsity(layer.name, type(layer).__name__)
+def _row(layer, name, m, n, pad, permutation, skip_unaligned):
+    row = LayerSparsity(name, type(layer).__name__)
     verdict = check_eligible(layer, m, n, pad, skip_unaligned)
     if not verdict.ok:
         row.reason = verdict.reason
@@ -183,8 +185,17 @@ def sparsity_report(
     """
     _models.check_model(model, "sparsity_report")
     check_m_n(m, n)
+    paths = _models.layer_paths(model)  # nested layers named by path
     rows = [
-        _row(layer, m, n, pad, permutation, skip_unaligned)
+        _row(
+            layer,
+            paths.get(id(layer), layer.name),
+            m,
+            n,
+            pad,
+            permutation,
+            skip_unaligned,
+        )
         for layer in select_layers(model, layers)
     ]
     return SparsityReport(rows, m, n)

@@ -33,9 +33,9 @@ def test_audit_reaches_layers_of_nested_models():
     report = keras_mp.mixed_precision_audit(
         keras.Model(inputs, outputs), verbose=False
     )
-    assert [r.name for r in report.layers] == ["inner_dense", "head"]
+    assert [r.name for r in report.layers] == ["inner/inner_dense", "head"]
     assert report.findings == [
-        "inner_dense: units=12 not a multiple of 8",
+        "inner/inner_dense: units=12 not a multiple of 8",
         "head: input features=12 not a multiple of 8",
     ]
 
@@ -62,3 +62,29 @@ def test_audit_lists_a_quantize_wrapper_as_one_row():
     assert len(names) == len(set(names)) == len(qmodel.layers)
     wrapped = [r for r in report.layers if r.class_name == "QuantizeWrapper"]
     assert wrapped and all(r.name.startswith("quant_") for r in wrapped)
+
+
+def test_nested_layers_by_path_and_no_quantizer_rows():
+    # Layers inside custom layers are named by path (two blocks each hold
+    # a `query`); the quantizers a layer quantized in place owns are not
+    # rows of their own.
+    from tests.sparsity.test_report import nested_blocks
+
+    model = nested_blocks()
+    names = [r.name for r in keras_mp.mixed_precision_audit(model).layers]
+    assert names == [
+        "block_0",
+        "block_0/query",
+        "block_1",
+        "block_1/query",
+        "head",
+    ]
+    qmodel = keras_mp.quantize_model(model)  # in place, in a QuantizedModel
+    quantized = keras_mp.mixed_precision_audit(qmodel, verbose=False)
+    assert [(r.name, r.class_name) for r in quantized.layers] == [
+        ("blocks/block_0", "_Block"),
+        ("blocks/block_0/query", "QuantizedDense"),
+        ("blocks/block_1", "_Block"),
+        ("blocks/block_1/query", "QuantizedDense"),
+        ("blocks/head", "QuantizedDense"),
+    ]

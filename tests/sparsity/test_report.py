@@ -2,6 +2,7 @@
 
 import os
 
+import keras
 import pytest
 
 from keras_mp.sparsity import plot_sparsity, sparsity_report
@@ -48,3 +49,33 @@ def test_bad_inputs(tmp_path):
         FileNotFoundError, match="folder .*no does not exist. Create it first"
     ):
         plot_sparsity(sparse_model(), str(tmp_path / "no" / "s.png"))
+
+
+@keras.saving.register_keras_serializable(package="keras_mp_tests")
+class _Block(keras.layers.Layer):
+    """Two blocks of this each hold a sublayer named `query`, as every
+    keras-hub encoder block does."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.query = keras.layers.Dense(16, name="query")
+
+    def build(self, input_shape):
+        self.query.build(input_shape)
+
+    def call(self, x):
+        return self.query(x)
+
+
+def nested_blocks():
+    inputs = keras.Input((16,))
+    x = _Block(name="block_0")(inputs)
+    x = _Block(name="block_1")(x)
+    return keras.Model(
+        inputs, keras.layers.Dense(8, name="head")(x), name="blocks"
+    )
+
+
+def test_nested_layers_are_named_by_path():
+    names = [r.name for r in sparsity_report(nested_blocks()).rows]
+    assert names == ["block_0/query", "block_1/query", "head"]
