@@ -361,7 +361,10 @@ def main(argv=None):
         args.samples_per_epoch = args.samples_per_epoch or 6400
         args.resolution = args.resolution or 3
     else:
-        args.epochs = args.epochs or 20
+        # 320,000 images: enough for the policy to leave 8 bits (shorter
+        # runs end at 8 or 12 bits and miss the 0.5-point goal; about 50
+        # minutes on 2 cores)
+        args.epochs = args.epochs or 50
         args.samples_per_epoch = args.samples_per_epoch or 6400
         args.resolution = args.resolution or 3
     os.makedirs(args.out, exist_ok=True)
