@@ -238,31 +238,29 @@ def _lm_token_batch(rng, n):
     return {k: batch[k] for k in ("token_ids", "padding_mask")}
 
 
-def _gemma_tiny():
-    # Grouped-query attention (2 query heads, 1 key/value head), RMSNorm,
-    # gated GELU MLP, rotary embeddings, the query scaled in the attention.
-    return _keras_hub().models.GemmaBackbone(
+def _decoder_tiny(name, **kwargs):
+    # 2 layers, hidden 32, grouped-query attention (2 query heads sharing 1
+    # key/value head), RMSNorm, gated MLP, rotary embeddings.
+    return getattr(_keras_hub().models, name)(
         vocabulary_size=VOCAB,
         num_layers=2,
         num_query_heads=2,
         num_key_value_heads=1,
         hidden_dim=32,
         intermediate_dim=64,
-        head_dim=16,
+        **kwargs,
     )
+
+
+def _gemma_tiny():
+    # Gemma scales the query before the first attention matmul.
+    return _decoder_tiny("GemmaBackbone", head_dim=16)
 
 
 def _llama_tiny():
-    # As Gemma, but the scale multiplies the scores after the first matmul
-    # (Mistral, Qwen, Phi-3 and GPT-NeoX attention share this code path).
-    return _keras_hub().models.LlamaBackbone(
-        vocabulary_size=VOCAB,
-        num_layers=2,
-        num_query_heads=2,
-        num_key_value_heads=1,
-        hidden_dim=32,
-        intermediate_dim=64,
-    )
+    # Llama scales the scores after it (Mistral, Qwen, Phi-3 and GPT-NeoX
+    # attention share this code path).
+    return _decoder_tiny("LlamaBackbone")
 
 
 def _resnet_basic():

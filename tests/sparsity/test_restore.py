@@ -14,8 +14,9 @@ from keras_mp.sparsity import (
     sparse_layers,
     sparsity_report,
 )
-from tests.quantization.test_nested import Block, Net
+from tests.quantization.test_nested import Net
 from tests.sparsity.conftest import compile_model
+from tests.sparsity.test_saving import _block_model, _data
 
 L = keras.layers
 # 32 samples in batches of 8: 4 steps an epoch. The gradual schedule prunes
@@ -23,18 +24,6 @@ L = keras.layers
 SCHEDULE = {"schedule": "gradual", "end_step": 6}
 # The re-prune and the relaxed-mask warnings.
 NEW_WARNINGS = r"StructuredSparsity: (model '\w+' is )?at step"
-
-
-def _block_model():
-    inputs = keras.Input((8,))
-    x = L.Dense(8, name="stem")(inputs)
-    x = Block(8, name="block")(x)
-    return keras.Model(inputs, L.Dense(4, name="head")(x), name="nested")
-
-
-def _data():
-    rng = np.random.default_rng(0)
-    return rng.normal(size=(32, 8)).astype("float32"), np.arange(32) % 3
 
 
 def _fit(model, epoch, callback):
