@@ -444,3 +444,19 @@ def gemma_einsum_attention(
         "bkgts,bskh->btkgh", quantize["probs"](probs), quantize["value"](v)
     )
     return ops.reshape(results, (b, q_len, layer.num_query_heads, h))
+
+
+def to_numpy(x):
+    """A Keras or TensorFlow variable or eager tensor as a NumPy array.
+
+    Keras 3.15's `ops.convert_to_numpy` of a variable calls
+    `np.array(x, copy=False)`, which a TensorFlow variable's `__array__`
+    does not accept under NumPy 2 (a DeprecationWarning at every call);
+    the variable's own `numpy()` reads the same value without it.
+    """
+    numpy = getattr(x, "numpy", None)
+    if callable(numpy):
+        import numpy as np
+
+        return np.asarray(numpy())
+    return keras.ops.convert_to_numpy(x)

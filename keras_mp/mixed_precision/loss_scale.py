@@ -6,6 +6,8 @@ import keras
 import tensorflow as tf
 from keras import ops
 
+from keras_mp import _keras
+
 
 def _positive_float(name, value):
     """`value` as a float, or a ValueError naming the argument."""
@@ -173,7 +175,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         """The current loss scale as a Python float."""
         if not self.built:
             return float(self.initial_scale)
-        return float(ops.convert_to_numpy(self.dynamic_scale))
+        return float(_keras.to_numpy(self.dynamic_scale))
 
     @property
     def skipped_steps(self):
@@ -181,7 +183,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         scale)."""
         if not self.built:
             return 0
-        return int(ops.convert_to_numpy(self.skipped_counter))
+        return int(_keras.to_numpy(self.skipped_counter))
 
     def get_config(self):
         config = super().get_config()
@@ -239,7 +241,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
         return opt
 
     def _values(self, opt):
-        scale = float(ops.convert_to_numpy(opt.dynamic_scale))
+        scale = float(_keras.to_numpy(opt.dynamic_scale))
         if isinstance(opt, LossScaleOptimizer):
             return scale, opt.skipped_steps
         # Keras' own optimizer has no counter: count halvings seen here.

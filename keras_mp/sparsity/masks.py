@@ -25,7 +25,7 @@ def check_m_n(m, n):
 
 def value(variable):
     """A variable's value as NumPy (works for `tf.distribute` variables)."""
-    return keras.ops.convert_to_numpy(variable)
+    return _keras.to_numpy(variable)
 
 
 def check_axis(shape, axis):

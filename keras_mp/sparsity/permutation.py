@@ -395,7 +395,7 @@ def permute_for_sparsity(model, m=2, n=4, layers=None, max_swaps=None):
     if (
         optimizer is not None
         and optimizer.built
-        and int(keras.ops.convert_to_numpy(optimizer.iterations)) > 0
+        and int(_keras.to_numpy(optimizer.iterations)) > 0
     ):
         warnings.warn(
             "permute_for_sparsity: the optimizer of this model has state "
