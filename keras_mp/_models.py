@@ -88,6 +88,24 @@ def walk_layers(root, include_models=False, stop_at=(), with_parents=False):
     yield from visit(root, ())
 
 
+def first_difference(found, expected):
+    """Where two walks (lists of class names) first differ: `(index, found
+    entry, expected entry)`, "nothing" past the end of either; None when
+    they are equal."""
+    found, expected = list(found), list(expected)
+    if found == expected:
+        return None
+    where = next(
+        (i for i, (a, b) in enumerate(zip(found, expected)) if a != b),
+        min(len(found), len(expected)),
+    )
+    return (
+        where,
+        found[where] if where < len(found) else "nothing",
+        expected[where] if where < len(expected) else "nothing",
+    )
+
+
 def layer_paths(root, stop_at=()):
     """`{id(layer): path}` for every layer inside `root` (as `walk_layers`
     walks it): the names from `root`'s top-level layer down to the layer,

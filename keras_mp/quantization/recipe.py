@@ -81,14 +81,10 @@ def check_same_structure(model, layers, what):
     """Raises a ValueError unless the walk of `model` has the classes
     `layers` (a recipe's), naming the first difference."""
     found = [float_class_name(layer) for layer, _ in walk(model)]
-    if found == list(layers):
+    difference = _models.first_difference(found, layers)
+    if difference is None:
         return
-    where = next(
-        (i for i, (a, b) in enumerate(zip(found, layers)) if a != b),
-        min(len(found), len(layers)),
-    )
-    got = found[where] if where < len(found) else "nothing"
-    want = layers[where] if where < len(layers) else "nothing"
+    where, got, want = difference
     raise ValueError(
         f"{what}: model {model.name!r} does not have the layers the "
         f"quantization recipe was made for (layer {where} of its walk is "

@@ -56,22 +56,15 @@ def apply_mask_record(model, record):
     """
     walked = _walk(model)
     found = [type(x).__name__ for x in walked]
-    if found != record["layers"]:
-        where = next(
-            (
-                i
-                for i, (a, b) in enumerate(zip(found, record["layers"]))
-                if a != b
-            ),
-            min(len(found), len(record["layers"])),
-        )
+    difference = _models.first_difference(found, record["layers"])
+    if difference is not None:
+        where, got, want = difference
         raise ValueError(
             f"Model {model.name!r} is not the model its 2:4 masks were "
-            f"recorded for: layer {where} of its walk is "
-            f"{(found + ['(none)'])[where]}, the record says "
-            f"{(record['layers'] + ['(none)'])[where]} ({len(found)} layers "
-            f"found, {len(record['layers'])} recorded). Load the file with "
-            "the code that saved it."
+            f"recorded for: layer {where} of its walk is {got}, the record "
+            f"says {want} ({len(found)} layers found, "
+            f"{len(record['layers'])} recorded). Load the file with the code "
+            "that saved it."
         )
     for entry in record["masks"]:
         layer = walked[entry["index"]]
