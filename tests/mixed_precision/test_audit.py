@@ -82,9 +82,9 @@ def test_nested_layers_by_path_and_no_quantizer_rows():
     qmodel = keras_mp.quantize_model(model)  # in place, in a QuantizedModel
     quantized = keras_mp.mixed_precision_audit(qmodel, verbose=False)
     assert [(r.name, r.class_name) for r in quantized.layers] == [
-        ("blocks/block_0", "_Block"),
+        ("blocks/block_0", "_QueryBlock"),
         ("blocks/block_0/query", "QuantizedDense"),
-        ("blocks/block_1", "_Block"),
+        ("blocks/block_1", "_QueryBlock"),
         ("blocks/block_1/query", "QuantizedDense"),
         ("blocks/head", "QuantizedDense"),
     ]

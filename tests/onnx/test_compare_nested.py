@@ -155,7 +155,7 @@ class Residual(L.Layer):
 
 
 @keras.saving.register_keras_serializable(package="keras_mp_tests")
-class Twice(L.Layer):
+class NamedTwice(L.Layer):
     """One named Dense called twice (shared weights)."""
 
     def __init__(self, **kwargs):
@@ -175,7 +175,7 @@ def custom_layer_model():
     inputs = keras.Input((6,))
     x = L.Dense(8, name="stem")(inputs)
     x = Residual(8, name="block")(x)
-    x = Twice(name="twice")(L.Dense(6, name="narrow")(x))
+    x = NamedTwice(name="twice")(L.Dense(6, name="narrow")(x))
     return keras.Model(inputs, L.Dense(3, name="head")(x), name="custom")
 
 

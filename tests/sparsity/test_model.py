@@ -132,7 +132,8 @@ def test_layers_inside_nested_models_are_found():
         [keras.Input((8,)), L.Dense(8, name="outer"), inner]
     )
     names = [r.name for r in sparsity_report(model).rows]
-    assert names == ["outer", "inner_a", inner.layers[1].name]
+    # a nested model's layers are named by path
+    assert names == ["outer", "inner/inner_a", f"inner/{inner.layers[1].name}"]
 
 
 def test_strip_sparsity_bad_models():

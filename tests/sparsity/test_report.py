@@ -52,7 +52,7 @@ def test_bad_inputs(tmp_path):
 
 
 @keras.saving.register_keras_serializable(package="keras_mp_tests")
-class _Block(keras.layers.Layer):
+class _QueryBlock(keras.layers.Layer):
     """Two blocks of this each hold a sublayer named `query`, as every
     keras-hub encoder block does."""
 
@@ -69,8 +69,8 @@ class _Block(keras.layers.Layer):
 
 def nested_blocks():
     inputs = keras.Input((16,))
-    x = _Block(name="block_0")(inputs)
-    x = _Block(name="block_1")(x)
+    x = _QueryBlock(name="block_0")(inputs)
+    x = _QueryBlock(name="block_1")(x)
     return keras.Model(
         inputs, keras.layers.Dense(8, name="head")(x), name="blocks"
     )
