@@ -164,16 +164,33 @@ def _einsum_parts(equation):
     return x_spec, kernel_spec, output
 
 
-def _einsum_row(layer):
-    """EinsumDense: per-channel on the one kernel axis that reaches the
-    output; per-tensor when several do (no single channel axis). 2:4 groups
-    run along the last kernel axis contracted with the input."""
-    x_spec, kernel_spec, output = _einsum_parts(layer.equation)
+def _einsum_channel_axes(x_spec, kernel_spec, output):
+    """The kernel axes an EinsumDense's output channels run over: the
+    kernel axes that reach the output, when they are adjacent in the kernel
+    and appear in the same order, side by side, in the output (the layout
+    tf2onnx's MatMul weight flattens them in, e.g. `(hidden, heads,
+    head_dim)` of "abc,cde->abde" becomes `(hidden, heads * head_dim)`);
+    `()` (per-tensor) otherwise."""
     out = [i for i, c in enumerate(kernel_spec) if c in output]
+    if len(out) <= 1:
+        return tuple(out)
+    letters = "".join(kernel_spec[i] for i in out)
+    adjacent = out == list(range(out[0], out[-1] + 1))
+    own = not any(c in x_spec for c in letters)
+    return tuple(out) if adjacent and own and letters in output else ()
+
+
+def _einsum_row(layer):
+    """EinsumDense: per-channel over the kernel axes that reach the output,
+    flattened (Q/K/V projections `(hidden, heads, head_dim)`: one range per
+    head and head dimension); per-tensor when those axes are not laid out
+    as one flattened channel axis (`_einsum_channel_axes`). 2:4 groups run
+    along the last kernel axis contracted with the input."""
+    x_spec, kernel_spec, output = _einsum_parts(layer.equation)
     contracted = [c for c in kernel_spec if c in x_spec and c not in output]
     weight = Weight(
         "kernel",
-        tuple(out) if len(out) == 1 else (),
+        _einsum_channel_axes(x_spec, kernel_spec, output),
         kernel_spec.index(contracted[-1]) if contracted else None,
         "kernel_constraint",
     )

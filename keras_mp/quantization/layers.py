@@ -6,8 +6,10 @@ wraps any quantizable type of `keras_mp.layer_table`. Guide:
 """
 
 import math
+import warnings
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from keras_mp import _keras, _models, layer_table
@@ -163,6 +165,47 @@ def weight_amax(kernel, out_axes):
     return channel_amax(view, axis)
 
 
+def widen_saved_ranges(layer, store):
+    """`layer`'s own variables from a Keras weights `store`, as a dict, with
+    a per-tensor weight range saved for a weight that is now per-channel
+    repeated over its channels.
+
+    Files written before EinsumDense kernels with several output axes
+    (attention Q/K/V projections) were quantized per channel hold one range
+    for them. Repeating it keeps the loaded model computing exactly what it
+    computed when saved; the next training step, or `keras_mp.calibrate`,
+    sets the per-channel ranges.
+
+    Args:
+        layer: the layer loading its own variables.
+        store: the weights store Keras passes to `load_own_variables`.
+
+    Returns:
+        dict, the store's values by key.
+    """
+    values = {key: store[key] for key in store.keys()}
+    variables = layer._trainable_variables + layer._non_trainable_variables
+    for i, variable in enumerate(variables):
+        value = values.get(f"{i}")
+        if value is None or len(variable.shape) != 1:
+            continue
+        if np.shape(value) in ((), (1,)) and variable.shape[0] != 1:
+            values[f"{i}"] = np.full(
+                variable.shape, np.reshape(value, ()), np.float32
+            )
+            warnings.warn(
+                f"Layer {layer.name!r}: the file holds one per-tensor weight "
+                f"range for {variable.path!r}, saved before keras_mp "
+                "quantized such weights per output channel; it is used for "
+                f"each of the {variable.shape[0]} channels, "
+                "so the model computes what it did when saved. Run "
+                "`keras_mp.calibrate` (or train) to set per-channel ranges, "
+                "then save again.",
+                stacklevel=2,
+            )
+    return values
+
+
 @keras.saving.register_keras_serializable(package="keras_mp")
 class QuantizeWrapper(keras.layers.Wrapper):
     """Fake-quantizes a layer's inputs and weights the way TensorRT wants.
@@ -282,6 +325,9 @@ class QuantizeWrapper(keras.layers.Wrapper):
             )
             self.weight_ranges.append((weight.attr, axes, amax))
         self.built = True
+
+    def load_own_variables(self, store):
+        super().load_own_variables(widen_saved_ranges(self, store))
 
     def update_weight_ranges(self):
         """Sets each weight range to the weights' per-channel `max|w|`."""
