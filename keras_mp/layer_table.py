@@ -36,9 +36,10 @@ class Weight:
 
     Attributes:
         attr: str. The layer attribute holding the variable.
-        out_axes: tuple of int. Adjacent kernel axes whose product is the
-            output channel (per-channel ranges run over them, flattened);
-            `()` for one range per tensor.
+        out_axes: tuple of int. Kernel axes whose product is the output
+            channel (per-channel ranges run over them, flattened row-major
+            in this order: the order of the layer's output); `()` for one
+            range per tensor.
         in_axis: int or None. The input-channel (GEMM reduction) axis that
             2:4 groups run along; None when the weight cannot be pruned.
         constraint: str. The layer attribute holding its constraint.
@@ -165,19 +166,19 @@ def _einsum_parts(equation):
 
 
 def _einsum_channel_axes(x_spec, kernel_spec, output):
-    """The kernel axes an EinsumDense's output channels run over: the
-    kernel axes that reach the output, when they are adjacent in the kernel
-    and appear in the same order, side by side, in the output (the layout
-    tf2onnx's MatMul weight flattens them in, e.g. `(hidden, heads,
-    head_dim)` of "abc,cde->abde" becomes `(hidden, heads * head_dim)`);
-    `()` (per-tensor) otherwise."""
-    out = [i for i, c in enumerate(kernel_spec) if c in output]
-    if len(out) <= 1:
-        return tuple(out)
-    letters = "".join(kernel_spec[i] for i in out)
-    adjacent = out == list(range(out[0], out[-1] + 1))
-    own = not any(c in x_spec for c in letters)
-    return tuple(out) if adjacent and own and letters in output else ()
+    """The kernel axes an EinsumDense's output channels run over, in the
+    order of the output: the kernel axes that reach the output, when none
+    is also an input axis and they sit side by side in the output (the
+    axis tf2onnx's MatMul weight flattens them into: `(hidden, heads,
+    head_dim)` of "abc,cde->abde" becomes `(hidden, heads * head_dim)`,
+    and so does `(heads, hidden, head_dim)` of "btd,ndh->btnh"); `()`
+    (per-tensor) otherwise."""
+    letters = "".join(c for c in output if c in kernel_spec)
+    if len(letters) > 1 and (
+        letters not in output or any(c in x_spec for c in letters)
+    ):
+        return ()
+    return tuple(kernel_spec.index(c) for c in letters)
 
 
 def _einsum_row(layer):

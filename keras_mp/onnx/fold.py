@@ -163,6 +163,8 @@ def fold_weight_qdq(model_proto):
             shape = [1] * values.ndim
             shape[weight_axis] = -1
             new_codes = np.rint(values / scale.reshape(shape))
+            if not np.array_equal(new_codes * scale.reshape(shape), values):
+                continue  # channels laid out in another order: leave it
         else:
             new_codes = np.rint(values / scale)
         base = f"{node.name}_weight"

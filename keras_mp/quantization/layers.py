@@ -135,19 +135,37 @@ def quantizable_row(layer):
 
 def _channel_view(kernel, out_axes):
     """`(view, axis, back)`: `kernel` with its output-channel axes merged
-    into the one axis `axis` of `view` (a depthwise `(kh, kw, in, mult)`
-    becomes `(kh, kw, in * mult)`), and `back` to restore the shape. `axis`
-    is None for per-tensor (`out_axes == ()`). The axes are adjacent, as in
-    every table row."""
+    into the one axis `axis` of `view`, channel index row-major over
+    `out_axes` in their order, and `back` to restore the shape. Adjacent
+    axes in kernel order merge in place (a depthwise `(kh, kw, in, mult)`
+    becomes `(kh, kw, in * mult)`); others (an EinsumDense kernel
+    `(heads, hidden, head_dim)` whose output is `(..., heads, head_dim)`)
+    are moved last first. `axis` is None for per-tensor (`out_axes ==
+    ()`)."""
     if not out_axes:
         return kernel, None, lambda q: q
     rank = len(kernel.shape)
-    axes = sorted(a % rank for a in out_axes)
+    axes = [a % rank for a in out_axes]
     if len(axes) == 1:
         return kernel, axes[0], lambda q: q
     shape = tf.shape(kernel)
-    merged = tf.concat([shape[: axes[0]], [-1], shape[axes[-1] + 1 :]], 0)
-    return tf.reshape(kernel, merged), axes[0], lambda q: tf.reshape(q, shape)
+    if axes == list(range(axes[0], axes[-1] + 1)):
+        merged = tf.concat([shape[: axes[0]], [-1], shape[axes[-1] + 1 :]], 0)
+        return (
+            tf.reshape(kernel, merged),
+            axes[0],
+            lambda q: tf.reshape(q, shape),
+        )
+    perm = [a for a in range(rank) if a not in axes] + axes
+    moved = tf.transpose(kernel, perm)
+    rest = rank - len(axes)
+    view = tf.reshape(moved, tf.concat([tf.shape(moved)[:rest], [-1]], 0))
+    inverse = [perm.index(a) for a in range(rank)]
+    return (
+        view,
+        rest,
+        lambda q: tf.transpose(tf.reshape(q, tf.shape(moved)), inverse),
+    )
 
 
 def _num_channels(shape, out_axes):
