@@ -183,10 +183,11 @@ def _einsum_channel_axes(x_spec, kernel_spec, output):
 
 def _einsum_row(layer):
     """EinsumDense: per-channel over the kernel axes that reach the output,
-    flattened (Q/K/V projections `(hidden, heads, head_dim)`: one range per
-    head and head dimension); per-tensor when those axes are not laid out
-    as one flattened channel axis (`_einsum_channel_axes`). 2:4 groups run
-    along the last kernel axis contracted with the input."""
+    flattened in the output's order (a Q/K/V projection `(hidden, heads,
+    head_dim)` gets `heads * head_dim` ranges, like the ONNX MatMul weight
+    `(hidden, heads * head_dim)` TensorRT sees); per-tensor when those axes
+    are not side by side in the output or one is also an input axis. 2:4
+    groups run along the last kernel axis contracted with the input."""
     x_spec, kernel_spec, output = _einsum_parts(layer.equation)
     contracted = [c for c in kernel_spec if c in x_spec and c not in output]
     weight = Weight(

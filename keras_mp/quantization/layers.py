@@ -230,7 +230,8 @@ class QuantizeWrapper(keras.layers.Wrapper):
 
     Weights: per-channel (or per-tensor) symmetric, narrow range
     [-127, 127], over the weight's output-channel axes (their product for
-    a depthwise kernel), ranges `max|w|` recomputed from the weights at each
+    a depthwise kernel or an attention projection `(hidden, heads,
+    head_dim)`), ranges `max|w|` recomputed from the weights at each
     training step and stored, so an export reads constants. Inputs: one
     `QuantizeActivation` per input the layer type's table row names. The
     wrapped layer runs with the fake-quantized weights swapped in through a
