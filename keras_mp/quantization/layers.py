@@ -202,8 +202,7 @@ def widen_saved_ranges(layer, store):
         dict, the store's values by key.
     """
     values = {key: store[key] for key in store.keys()}
-    variables = layer._trainable_variables + layer._non_trainable_variables
-    for i, variable in enumerate(variables):
+    for i, variable in enumerate(_keras.own_variables(layer)):
         value = values.get(f"{i}")
         if value is None or len(variable.shape) != 1:
             continue
