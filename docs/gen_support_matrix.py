@@ -25,13 +25,13 @@ from keras_mp.sparsity.model import (  # noqa: E402
 PAGE = os.path.join(
     os.path.dirname(os.path.abspath(__file__)), "support_matrix.md"
 )
-EINSUM_EQUATION = "ab,bc->ac"
+EINSUM_EQUATION = "abc,cde->abde"  # MultiHeadAttention's query
 
 # A row that depends on the layer's settings is shown for one instance. A
 # new row of that kind needs a sample here: the generator stops until it has.
 SAMPLES = {
     keras.layers.EinsumDense: lambda: keras.layers.EinsumDense(
-        EINSUM_EQUATION, 8
+        EINSUM_EQUATION, (None, 4, 8)
     ),
 }
 # Common layers outside the table, listed so the page says what happens to

@@ -36,9 +36,10 @@ class Weight:
 
     Attributes:
         attr: str. The layer attribute holding the variable.
-        out_axes: tuple of int. Adjacent kernel axes whose product is the
-            output channel (per-channel ranges run over them, flattened);
-            `()` for one range per tensor.
+        out_axes: tuple of int. Kernel axes whose product is the output
+            channel (per-channel ranges run over them, flattened row-major
+            in this order: the order of the layer's output); `()` for one
+            range per tensor.
         in_axis: int or None. The input-channel (GEMM reduction) axis that
             2:4 groups run along; None when the weight cannot be pruned.
         constraint: str. The layer attribute holding its constraint.
@@ -164,16 +165,34 @@ def _einsum_parts(equation):
     return x_spec, kernel_spec, output
 
 
+def _einsum_channel_axes(x_spec, kernel_spec, output):
+    """The kernel axes an EinsumDense's output channels run over, in the
+    order of the output: the kernel axes that reach the output, when none
+    is also an input axis and they sit side by side in the output (the
+    axis tf2onnx's MatMul weight flattens them into: `(hidden, heads,
+    head_dim)` of "abc,cde->abde" becomes `(hidden, heads * head_dim)`,
+    and so does `(heads, hidden, head_dim)` of "btd,ndh->btnh"); `()`
+    (per-tensor) otherwise."""
+    letters = "".join(c for c in output if c in kernel_spec)
+    if len(letters) > 1 and (
+        letters not in output or any(c in x_spec for c in letters)
+    ):
+        return ()
+    return tuple(kernel_spec.index(c) for c in letters)
+
+
 def _einsum_row(layer):
-    """EinsumDense: per-channel on the one kernel axis that reaches the
-    output; per-tensor when several do (no single channel axis). 2:4 groups
-    run along the last kernel axis contracted with the input."""
+    """EinsumDense: per-channel over the kernel axes that reach the output,
+    flattened in the output's order (a Q/K/V projection `(hidden, heads,
+    head_dim)` gets `heads * head_dim` ranges, like the ONNX MatMul weight
+    `(hidden, heads * head_dim)` TensorRT sees); per-tensor when those axes
+    are not side by side in the output or one is also an input axis. 2:4
+    groups run along the last kernel axis contracted with the input."""
     x_spec, kernel_spec, output = _einsum_parts(layer.equation)
-    out = [i for i, c in enumerate(kernel_spec) if c in output]
     contracted = [c for c in kernel_spec if c in x_spec and c not in output]
     weight = Weight(
         "kernel",
-        tuple(out) if len(out) == 1 else (),
+        _einsum_channel_axes(x_spec, kernel_spec, output),
         kernel_spec.index(contracted[-1]) if contracted else None,
         "kernel_constraint",
     )

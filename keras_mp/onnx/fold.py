@@ -117,7 +117,11 @@ def fold_weight_qdq(model_proto):
     layout ops (Transpose, Reshape, ...) between a weight's
     DequantizeLinear and its Conv, ConvTranspose, MatMul or Gemm are
     applied to the initializer, so the DQ feeds the op directly. The codes
-    are those Keras' weight quantizer computed (`_keras_codes`). A Reshape
+    are those Keras' weight quantizer computed (`_keras_codes`); a
+    per-channel weight keeps its scales when the layout ops bring its
+    channels onto the op's output-channel axis (an EinsumDense kernel
+    `(hidden, heads, head_dim)` flattened to the MatMul weight `(hidden,
+    heads * head_dim)`), and is left as it is otherwise. A Reshape
     shape that tf2onnx computes from the weight's own shape at run time
     (EinsumDense kernels with a dynamic sequence length) is evaluated, and
     so is any other Shape of a weight.
@@ -163,6 +167,8 @@ def fold_weight_qdq(model_proto):
             shape = [1] * values.ndim
             shape[weight_axis] = -1
             new_codes = np.rint(values / scale.reshape(shape))
+            if not np.array_equal(new_codes * scale.reshape(shape), values):
+                continue  # channels laid out in another order: leave it
         else:
             new_codes = np.rint(values / scale)
         base = f"{node.name}_weight"

@@ -6,8 +6,10 @@ wraps any quantizable type of `keras_mp.layer_table`. Guide:
 """
 
 import math
+import warnings
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from keras_mp import _keras, _models, layer_table
@@ -133,19 +135,37 @@ def quantizable_row(layer):
 
 def _channel_view(kernel, out_axes):
     """`(view, axis, back)`: `kernel` with its output-channel axes merged
-    into the one axis `axis` of `view` (a depthwise `(kh, kw, in, mult)`
-    becomes `(kh, kw, in * mult)`), and `back` to restore the shape. `axis`
-    is None for per-tensor (`out_axes == ()`). The axes are adjacent, as in
-    every table row."""
+    into the one axis `axis` of `view`, channel index row-major over
+    `out_axes` in their order, and `back` to restore the shape. Adjacent
+    axes in kernel order merge in place (a depthwise `(kh, kw, in, mult)`
+    becomes `(kh, kw, in * mult)`); others (an EinsumDense kernel
+    `(heads, hidden, head_dim)` whose output is `(..., heads, head_dim)`)
+    are moved last first. `axis` is None for per-tensor (`out_axes ==
+    ()`)."""
     if not out_axes:
         return kernel, None, lambda q: q
     rank = len(kernel.shape)
-    axes = sorted(a % rank for a in out_axes)
+    axes = [a % rank for a in out_axes]
     if len(axes) == 1:
         return kernel, axes[0], lambda q: q
     shape = tf.shape(kernel)
-    merged = tf.concat([shape[: axes[0]], [-1], shape[axes[-1] + 1 :]], 0)
-    return tf.reshape(kernel, merged), axes[0], lambda q: tf.reshape(q, shape)
+    if axes == list(range(axes[0], axes[-1] + 1)):
+        merged = tf.concat([shape[: axes[0]], [-1], shape[axes[-1] + 1 :]], 0)
+        return (
+            tf.reshape(kernel, merged),
+            axes[0],
+            lambda q: tf.reshape(q, shape),
+        )
+    perm = [a for a in range(rank) if a not in axes] + axes
+    moved = tf.transpose(kernel, perm)
+    rest = rank - len(axes)
+    view = tf.reshape(moved, tf.concat([tf.shape(moved)[:rest], [-1]], 0))
+    inverse = [perm.index(a) for a in range(rank)]
+    return (
+        view,
+        rest,
+        lambda q: tf.transpose(tf.reshape(q, tf.shape(moved)), inverse),
+    )
 
 
 def _num_channels(shape, out_axes):
@@ -163,13 +183,54 @@ def weight_amax(kernel, out_axes):
     return channel_amax(view, axis)
 
 
+def widen_saved_ranges(layer, store):
+    """`layer`'s own variables from a Keras weights `store`, as a dict, with
+    a per-tensor weight range saved for a weight that is now per-channel
+    repeated over its channels.
+
+    Files written before EinsumDense kernels with several output axes
+    (attention Q/K/V projections) were quantized per channel hold one range
+    for them. Repeating it keeps the loaded model computing exactly what it
+    computed when saved; the next training step, or `keras_mp.calibrate`,
+    sets the per-channel ranges.
+
+    Args:
+        layer: the layer loading its own variables.
+        store: the weights store Keras passes to `load_own_variables`.
+
+    Returns:
+        dict, the store's values by key.
+    """
+    values = {key: store[key] for key in store.keys()}
+    for i, variable in enumerate(_keras.own_variables(layer)):
+        value = values.get(f"{i}")
+        if value is None or len(variable.shape) != 1:
+            continue
+        if np.shape(value) in ((), (1,)) and variable.shape[0] != 1:
+            values[f"{i}"] = np.full(
+                variable.shape, np.reshape(value, ()), np.float32
+            )
+            warnings.warn(
+                f"Layer {layer.name!r}: the file holds one per-tensor weight "
+                f"range for {variable.path!r}, saved before keras_mp "
+                "quantized such weights per output channel; it is used for "
+                f"each of the {variable.shape[0]} channels, "
+                "so the model computes what it did when saved. Run "
+                "`keras_mp.calibrate` (or train) to set per-channel ranges, "
+                "then save again.",
+                stacklevel=2,
+            )
+    return values
+
+
 @keras.saving.register_keras_serializable(package="keras_mp")
 class QuantizeWrapper(keras.layers.Wrapper):
     """Fake-quantizes a layer's inputs and weights the way TensorRT wants.
 
     Weights: per-channel (or per-tensor) symmetric, narrow range
     [-127, 127], over the weight's output-channel axes (their product for
-    a depthwise kernel), ranges `max|w|` recomputed from the weights at each
+    a depthwise kernel or an attention projection `(hidden, heads,
+    head_dim)`), ranges `max|w|` recomputed from the weights at each
     training step and stored, so an export reads constants. Inputs: one
     `QuantizeActivation` per input the layer type's table row names. The
     wrapped layer runs with the fake-quantized weights swapped in through a
@@ -282,6 +343,9 @@ class QuantizeWrapper(keras.layers.Wrapper):
             )
             self.weight_ranges.append((weight.attr, axes, amax))
         self.built = True
+
+    def load_own_variables(self, store):
+        super().load_own_variables(widen_saved_ranges(self, store))
 
     def update_weight_ranges(self):
         """Sets each weight range to the weights' per-channel `max|w|`."""

@@ -23,6 +23,7 @@ from keras_mp.quantization.layers import (
     _channel_view,
     _num_channels,
     weight_amax,
+    widen_saved_ranges,
 )
 from keras_mp.quantization.quantizers import fake_quant
 from keras_mp.quantization.separable import separable_conv
@@ -66,6 +67,9 @@ class WeightQuantizer(keras.layers.Layer):
             trainable=False,
             aggregation="only_first_replica",
         )
+
+    def load_own_variables(self, store):
+        super().load_own_variables(widen_saved_ranges(self, store))
 
     def update(self, kernel):
         """Sets the range to `kernel`'s `max|w|`."""

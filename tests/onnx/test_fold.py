@@ -17,8 +17,8 @@ pytest.importorskip("tf2onnx")
 
 def _model():
     """Conv2D (per channel and per tensor), grouped Conv2D, DepthwiseConv2D,
-    Dense (per tensor), EinsumDense (per tensor, with a kernel Reshape in
-    the graph; and per channel)."""
+    Dense (per tensor), EinsumDense (per channel over two output axes,
+    heads x head_dim, with a kernel Reshape in the graph; and over one)."""
     x = keras.Input((6, 6, 4))
     y = L.Conv2D(8, 3, padding="same", name="conv")(x)
     y = L.Conv2D(8, 3, padding="same", groups=2, name="grouped")(y)
@@ -27,7 +27,7 @@ def _model():
     y = L.GlobalAveragePooling2D()(y)
     y = L.Dense(24, name="dense_pt")(y)
     y = L.Reshape((4, 6))(y)
-    y = L.EinsumDense("abc,cde->abde", (4, 4, 4), name="einsum_pt")(y)
+    y = L.EinsumDense("abc,cde->abde", (4, 4, 4), name="einsum_heads")(y)
     y = L.Flatten()(y)
     y = L.EinsumDense("ab,bc->ac", 5, bias_axes="c", name="einsum")(y)
     return keras.Model(x, y)
@@ -86,7 +86,7 @@ def test_fold_matches_keras_codes_at_ties(tmp_path):
         if layer.weights:
             kernel = layer.weights[0]
             channels = 1 if layer.name.endswith("_pt") else kernel.shape[-1]
-            if isinstance(layer, L.DepthwiseConv2D):
+            if isinstance(layer, L.DepthwiseConv2D) or "heads" in layer.name:
                 channels *= kernel.shape[-2]
             kernel.assign(_tie_weights(kernel.shape, channels, rng))
     per_tensor = keras_mp.QuantizeConfig(per_channel=False)
@@ -115,6 +115,7 @@ def test_fold_matches_keras_codes_at_ties(tmp_path):
         assert dq.op_type == "DequantizeLinear", layer.name
         got = index.const(dq.input[0])
         assert got is not None and got.dtype == np.int8, layer.name
+        assert index.const(dq.input[1]).size == scale.size, layer.name
         np.testing.assert_array_equal(
             np.sort(got, axis=None), np.sort(want, axis=None), layer.name
         )
