@@ -109,15 +109,26 @@ class QuantizedAttention(QuantizedLayer):
                     keras.ops.cast(attention_mask, "bool"), causal
                 )
             )
-        hooks = {
-            name: functools.partial(_quantize_like, q)
-            for name, q in zip(
-                ATTENTION_MATMUL_INPUTS, self.attention_quantizers
-            )
-        }
         return _keras.einsum_attention(
-            self, query, key, value, attention_mask, training, hooks
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
+            training,
+            matmul_hooks(self.attention_quantizers),
         )
+
+
+def matmul_hooks(quantizers):
+    """`{name: callable}` for the attention matmul inputs
+    (`ATTENTION_MATMUL_INPUTS`), each fake-quantizing a tensor with its
+    quantizer of `quantizers` (in that order) and keeping its dtype and
+    Keras mask."""
+    return {
+        name: functools.partial(_quantize_like, q)
+        for name, q in zip(ATTENTION_MATMUL_INPUTS, quantizers)
+    }
 
 
 def _quantize_like(quantizer, x):

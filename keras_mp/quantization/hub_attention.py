@@ -12,8 +12,11 @@ are reached, and how, is `keras_mp._keras.hub_attention_kind`.
 """
 
 from keras_mp import _keras
-from keras_mp.quantization.attention import ATTENTION_MATMUL_INPUTS
-from keras_mp.quantization.twins import QuantizedLayer, _like
+from keras_mp.quantization.attention import (
+    ATTENTION_MATMUL_INPUTS,
+    matmul_hooks,
+)
+from keras_mp.quantization.twins import QuantizedLayer
 
 
 class _HubAttention(QuantizedLayer):
@@ -37,22 +40,13 @@ class _HubAttention(QuantizedLayer):
 
     def _hooks(self):
         """`{matmul input name: fake-quantize callable}`."""
-        return {
-            name: _quantizer(q)
-            for name, q in zip(
-                ATTENTION_MATMUL_INPUTS, self.attention_quantizers
-            )
-        }
+        return matmul_hooks(self.attention_quantizers)
 
     def _use_fused_attention_op(self):
         # `ops.dot_product_attention` has no hook between its matmuls.
         if self._quantizing():
             return False
         return super()._use_fused_attention_op()
-
-
-def _quantizer(q):
-    return lambda x: _like(q(x), x)
 
 
 class QuantizedHookedAttention(_HubAttention):

@@ -265,12 +265,16 @@ class StructuredSparsity(keras.callbacks.Callback):
         (the default) means "prune when fit starts": never."""
         if step is None or (self.schedule, self.begin_step) == ("one_shot", 0):
             return False
-        last = self.end_step if self.schedule == "gradual" else self.begin_step
         spe = int(getattr(self.model, "steps_per_execution", 1) or 1)
-        return step - spe >= last
+        return step - spe >= self._full_step
+
+    @property
+    def _full_step(self):
+        """The step at which the schedule reaches m:n."""
+        return self.end_step if self.schedule == "gradual" else self.begin_step
 
     def _warn_repruned(self, model, names, step):
-        last = self.end_step if self.schedule == "gradual" else self.begin_step
+        last = self._full_step
         warnings.warn(
             f"StructuredSparsity: model '{model.name}' is at step {step} "
             f"(optimizer.iterations), after its {self.schedule} schedule "
