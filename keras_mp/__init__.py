@@ -71,6 +71,7 @@ from keras_mp.quantization import (
     quantize_model,
     set_quantization_enabled,
     strip_quantization,
+    upgrade,
 )
 from keras_mp.sparsity import (
     SparseModel,

@@ -1,6 +1,7 @@
 """One model check, one layer walker, one way to reset compiled functions,
 and the base of the containers that save a record beside a model's config."""
 
+import contextlib
 import copy
 import json
 import os
@@ -52,13 +53,17 @@ def check_graph_model(model, caller, alternative):
         )
 
 
-def walk_layers(root, include_models=False, stop_at=(), with_parents=False):
+def walk_layers(
+    root, include_models=False, stop_at=(), with_parents=False, owned=False
+):
     """Every layer inside `root`, at any depth, each once, in tracking order.
 
     Walks Keras' layer tracker: the layers of nested models, the inner layer
     of a `keras.layers.Wrapper`, and the sublayers that custom layers keep
-    as attributes. The order is the same for two models built by the same
-    code (quantization records layers by their position in it).
+    as attributes. The quantizers that keras_mp attached to a layer
+    (`own`) are part of that layer, not layers of the model: skipped.
+    The order is the same for two models built by the same code
+    (quantization records layers by their position in it).
 
     Args:
         root: a `keras.Model` or layer (not itself yielded).
@@ -69,6 +74,8 @@ def walk_layers(root, include_models=False, stop_at=(), with_parents=False):
         with_parents: bool. Yield `(layer, parents)` pairs, `parents` the
             tuple of layers between `root` and `layer` (outermost first).
             Defaults to False.
+        owned: bool. Also yield the quantizers attached to layers (for a
+            per-layer trace of every Q/DQ). Defaults to False.
 
     Yields:
         `keras.layers.Layer`s, parents before children.
@@ -77,7 +84,7 @@ def walk_layers(root, include_models=False, stop_at=(), with_parents=False):
 
     def visit(layer, parents):
         for child in _keras.sublayers(layer):
-            if id(child) in seen:
+            if id(child) in seen or (is_owned(child) and not owned):
                 continue
             seen.add(id(child))
             if not isinstance(child, keras.Model) or include_models:
@@ -140,37 +147,164 @@ def reset_compiled_functions(model):
         model.make_train_function(force=True)
 
 
-def copy_through_config(layer, caller):
-    """A copy of `layer` (a model or layer) rebuilt from its config, built,
-    with the same weights.
+# Attribute set on the quantizers keras_mp attaches to a layer (`own`).
+OWNED = "_keras_mp_owned"
 
-    A subclassed model or a keras-hub backbone rebuilds its sublayers from
-    its own code, so this works where copying each sublayer's config would
-    not (some keras-hub layers' configs do not round-trip).
+
+def own(owner, quantizer):
+    """Marks `quantizer` (a layer) as part of `owner`: `walk_layers` skips
+    it, and reports and records name `owner` instead."""
+    object.__setattr__(quantizer, OWNED, True)
+    return quantizer
+
+
+def is_owned(layer):
+    return getattr(layer, OWNED, False)
+
+
+def class_name(layer):
+    """The name of `layer`'s class; of its float class for a layer that
+    keras_mp switched to a twin class in place (`float_class`)."""
+    cls = type(layer)
+    return (getattr(cls, "float_class", None) or cls).__name__
+
+
+@contextlib.contextmanager
+def float_classes(model):
+    """Within the block, every layer inside `model` that keras_mp switched
+    to a twin class has its float class back, so Keras serializes the
+    float model (its config holds no twin)."""
+    switched = [
+        (layer, type(layer))
+        for layer, _ in walk(model)
+        if getattr(type(layer), "float_class", None) is not None
+    ]
+    for layer, twin in switched:
+        object.__setattr__(layer, "__class__", twin.float_class)
+    try:
+        yield
+    finally:
+        for layer, twin in switched:
+            object.__setattr__(layer, "__class__", twin)
+
+
+def walk(model):
+    """`[(layer, parents)]` of every layer of `model`, nested models
+    included: the one walk that records (quantization recipe, 2:4 masks)
+    index layers by."""
+    return list(walk_layers(model, include_models=True, with_parents=True))
+
+
+def structure(model):
+    """The class names of `walk(model)`, float classes for twins: what two
+    models built by the same code share."""
+    return [class_name(layer) for layer, _ in walk(model)]
+
+
+def check_structure(model, expected, what, record):
+    """Raises a ValueError unless `structure(model)` is `expected`, naming
+    the first difference; `what` says who asks, `record` what was made for
+    the other model ("the quantization recipe")."""
+    found = structure(model)
+    difference = first_difference(found, expected)
+    if difference is None:
+        return
+    where, got, want = difference
+    raise ValueError(
+        f"{what}: model {model.name!r} does not have the layers {record} "
+        f"was made for (layer {where} of its walk is {got}, expected "
+        f"{want}; {len(found)} layers, {len(expected)} expected). Build it "
+        "with the same code and arguments as the model it was made for."
+    )
+
+
+def copy_state(source, target):
+    """Copies what `source` saves to `target`, two models of the same
+    structure: every layer's own variables and the stateful constraints
+    on them (2:4 masks), attached to `target` where missing. The
+    quantizers keras_mp attached are left out, so either may be
+    quantized."""
+    pairs = [(source, target)] + [
+        (a, b)
+        for (a, _), (b, _) in zip(walk(source), walk(target), strict=True)
+    ]
+    for a, b in pairs:
+        store = {}
+        a.save_own_variables(store)
+        b.load_own_variables(store)
+        _copy_constraints(a, b)
+
+
+def _copy_constraints(a, b):
+    """The stateful constraints (`_keras.SaveableState`) of `a`'s variables,
+    with their state, on the same variables of `b`."""
+    for va, vb in zip(_keras.own_variables(a), _keras.own_variables(b)):
+        constraint = getattr(va, "constraint", None)
+        if not isinstance(constraint, _keras.SaveableState):
+            continue
+        mine = getattr(vb, "constraint", None)
+        config = constraint.get_config()
+        if type(mine) is not type(constraint) or mine.get_config() != config:
+            mine = type(constraint).from_config(config)
+            vb.constraint = mine
+            with _keras.unlocked(b):
+                for attr, value in list(vars(a).items()):
+                    if value is constraint:
+                        setattr(b, attr, mine)
+        store = {}
+        constraint.save_own_variables(store)
+        mine.load_own_variables(store)
+
+
+COPY_ADVICE = (
+    "or work on the model object itself where the function offers it "
+    "(`in_place=True`)."
+)
+
+
+def rebuild(model, config, caller, advice=COPY_ADVICE):
+    """`model` rebuilt from `config` (its float config), checked to be the
+    same model layer for layer, with `model`'s state (`copy_state`).
+
+    The one model copier: a subclassed model or a keras-hub backbone
+    rebuilds its sublayers from its own code, so this works where copying
+    each sublayer's config would not.
 
     Args:
-        layer: a built `keras.layers.Layer` or `keras.Model`.
+        model: a built `keras.Model` (or layer).
+        config: its serialized float form.
         caller: str. The public function's name, for the message.
+        advice: str. What else to do when it cannot be rebuilt.
 
     Raises:
-        ValueError: the config does not rebuild `layer` (what to do).
+        ValueError: the config does not rebuild `model` (what to do).
     """
     try:
-        copy = keras.saving.deserialize_keras_object(
-            keras.saving.serialize_keras_object(layer), safe_mode=False
+        fresh = keras.saving.deserialize_keras_object(
+            copy.deepcopy(config), safe_mode=False
         )
-        if not copy.built:
-            copy.build_from_config(layer.get_build_config())
-        copy.set_weights(layer.get_weights())
-    except Exception as e:  # any from_config can fail its own way
+        if not fresh.built:
+            fresh.build_from_config(model.get_build_config())
+    except Exception as e:  # any layer's from_config can fail its own way
+        cls = type(model).__name__
         raise ValueError(
-            f"`{caller}` works on a copy of {type(layer).__name__} "
-            f"{layer.name!r} rebuilt from its config, and that failed "
-            f"({type(e).__name__}: {e}). Give {type(layer).__name__} a "
-            "`get_config()` returning its constructor arguments and "
-            "register it with `keras.saving.register_keras_serializable()`."
+            f"`{caller}` works on a copy of {cls} {model.name!r} rebuilt "
+            f"from its config, and that failed ({type(e).__name__}: {e}). "
+            f"Give {cls} a `get_config()` returning its constructor "
+            "arguments (and register it with "
+            f"`keras.saving.register_keras_serializable()`), {advice}"
         ) from e
-    return copy
+    check_structure(fresh, structure(model), f"`{caller}`", "its copy")
+    copy_state(model, fresh)
+    return fresh
+
+
+def copy_model(model, caller, advice=COPY_ADVICE):
+    """A copy of `model` rebuilt from its config, with its state
+    (`rebuild`); quantized layers come back float."""
+    with float_classes(model):
+        config = keras.saving.serialize_keras_object(model)
+    return rebuild(model, config, caller, advice)
 
 
 def symbolic_inputs(model):
@@ -205,6 +339,13 @@ def symbolic_inputs(model):
     )
 
 
+def contents(model):
+    """The model a keras_mp container (`RecordedModel`) holds, else
+    `model`: what reports and records name layers below, so that paths
+    are the float model's layer names."""
+    return model.model if isinstance(model, RecordedModel) else model
+
+
 class RecordedModel(keras.Model):
     """Base of the containers that save a model as its config plus a record
     that `from_config` re-applies before the weights load (`QuantizedModel`:
@@ -234,6 +375,21 @@ class RecordedModel(keras.Model):
         inputs = symbolic_inputs(model)
         super().__init__(inputs=inputs, outputs=model(inputs), **kwargs)
         self._rebuilt_config = None
+        # The inner model's output names (its output layers'), so `loss`
+        # and `metrics` dicts and exported outputs are keyed as for it.
+        names = getattr(model, "output_names", None)
+        if names and len(names) == len(self.output_names):
+            self.output_names = list(names)
+
+    def get_layer(self, name=None, index=None):
+        """A layer of the inner model by name (as the float model's
+        `get_layer`), else Keras' lookup among the container's own."""
+        if name is not None and name != self.model.name:
+            try:
+                return self.model.get_layer(name=name)
+            except ValueError:
+                pass
+        return super().get_layer(name=name, index=index)
 
     @property
     def model(self):

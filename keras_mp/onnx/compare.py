@@ -4,16 +4,13 @@ exported graph starts to disagree with the model (`docs/compare.md`)."""
 import dataclasses
 import os
 
-import numpy as np
-
 from keras_mp import _inputs as _inputs_mod
 from keras_mp._compat import optional_import
 from keras_mp._models import check_graph_model
 from keras_mp.onnx.compare_graph import FLOAT_TYPES, Graph, error, fits
 from keras_mp.onnx.compare_graph import run as run_onnx
 from keras_mp.onnx.compare_trace import keras_values, trace
-from keras_mp.quantization.layers import QuantizeActivation, QuantizeWrapper
-from keras_mp.quantization.quantizers import fake_quant
+from keras_mp.quantization.layers import QuantizeActivation
 
 
 @dataclasses.dataclass
@@ -27,15 +24,14 @@ class LayerError:
             (`vi_t_backbone/vit_encoder/transformer_block_1/mha/query`; its name
             for a layer of the model itself), `(call 2)` added for a
             layer's second call.
-        kind: str. Its type (`QuantizeWrapper(Conv2D)` for a wrapper,
-            `QuantizedDense` for a layer quantized in place).
+        kind: str. Its type (`QuantizedDense` for a quantized layer).
         tensor: str. The ONNX tensor compared with the layer's output.
         max_abs: float. Max absolute difference.
         rel_l2: float. `||onnx - keras|| / ||keras||`.
-        steps: float or None. At a `QuantizeWrapper`, the max difference of
-            its input Q/DQ in quantization steps (`amax / 127` for 8 bits);
-            at a `QuantizeActivation` (a Q/DQ of its own, which is judged
-            by this only), the difference of its output; None elsewhere.
+        steps: float or None. At an activation quantizer (a Q/DQ of its
+            own, which is judged by this only), the difference of its
+            output in quantization steps (`amax / 127` for 8 bits); None
+            elsewhere.
         diverged: bool. Past the report's tolerance.
     """
 
@@ -193,8 +189,6 @@ def _step(quantizer):
 
 
 def _kind(layer):
-    if isinstance(layer, QuantizeWrapper):
-        return f"QuantizeWrapper({type(layer.layer).__name__})"
     return type(layer).__name__
 
 
@@ -213,11 +207,12 @@ def compare_onnx(
     fits (NHWC, or NCHW where the export moved the layout). Those tensors
     are made graph outputs of an in-memory copy of the graph, which ONNX
     Runtime runs with graph optimizations off (Q/DQ semantics). Each
-    activation Q/DQ (`QuantizeActivation`, and a `QuantizeWrapper`'s
-    inputs) is compared in quantization steps (`amax / 127` for 8 bits): a
-    rounding flip is one step, more is a bug. Rows come in the order the
-    calls finish (a layer's inner layers before it), so the first row past
-    a tolerance is where ONNX and Keras part.
+    activation Q/DQ (the input quantizers of quantized layers, stand-alone
+    `QuantizeActivation` layers) is compared in quantization steps
+    (`amax / 127` for 8 bits): a rounding flip is one step, more is a
+    bug. Rows come in the order the calls finish (a layer's inner layers
+    before it), so the first row past a tolerance is where ONNX and Keras
+    part.
 
     Nothing is left out silently: a layer never called at inference, one
     with no ONNX tensor of its own (an embedding folded into a constant),
@@ -295,9 +290,6 @@ def compare_onnx(
             "keras_mp.export_onnx(model, path)."
         )
     wanted = [t for _, _, tensors in plan for t in tensors]
-    for _, call, _ in plan:
-        if call.inputs:
-            wanted += graph.activation_dqs(call.scope)
     got = run_onnx(proto, graph, list(dict.fromkeys(wanted)), inputs)
 
     rows = []
@@ -313,10 +305,7 @@ def compare_onnx(
             continue
         err, tensor = min(found, key=lambda f: f[0][1])
         layer, steps, qdq = call.layer, None, False
-        if call.inputs:
-            keras_inputs = [values[i] for i in call.inputs]
-            steps = _qdq_steps(layer, graph, call.scope, got, keras_inputs)
-        elif _is_qdq(layer):
+        if _is_qdq(layer):
             qdq = True
             steps = err[0] / _step(layer)
         # A Q/DQ's output is judged in steps only: flips of single values
@@ -345,23 +334,3 @@ def _diverged(rel_l2, steps, max_steps, max_rel_l2):
 
 def _inits(proto):
     return {i.name for i in proto.graph.initializer}
-
-
-def _qdq_steps(layer, graph, scope, got, keras_inputs):
-    """Max error of the layer's input Q/DQ outputs in quantization steps;
-    each ONNX DQ is matched to the quantized Keras input it fits best."""
-    quantized = []
-    for q, x in zip(layer.input_quantizers, keras_inputs):
-        amax = float(q.amax.numpy())
-        fq = np.asarray(fake_quant(x, amax, num_bits=q.num_bits))
-        quantized.append((fq, amax / (2 ** (q.num_bits - 1) - 1)))
-    worst = None
-    for dq in graph.activation_dqs(scope):
-        fits = [
-            (e[0] / step)
-            for fq, step in quantized
-            if (e := error(got[dq], fq)) is not None
-        ]
-        if fits:
-            worst = max(worst or 0.0, min(fits))
-    return worst

@@ -9,7 +9,6 @@ import numpy as np
 
 from keras_mp import _inputs
 from keras_mp._models import walk_layers
-from keras_mp.quantization.layers import QuantizeWrapper
 from keras_mp.quantization.twins import WeightQuantizer
 
 NOT_CALLED = "not called when the model runs at inference"
@@ -17,32 +16,31 @@ NOT_CALLED = "not called when the model runs at inference"
 
 @dataclasses.dataclass
 class Call:
-    """One layer call seen while tracing the model: where its output (and,
-    for a `QuantizeWrapper`, its quantized inputs) sit among the traced
-    function's outputs."""
+    """One layer call seen while tracing the model: where its output sits
+    among the traced function's outputs."""
 
     layer: object
     name: str
     scope: str
     tensor: str
     output: int
-    inputs: tuple = ()
 
 
 def reachable(model):
     """(layer, path) for every layer inside `model` a report can compare:
-    nested models and the layers inside custom layers included, a
-    `QuantizeWrapper` as one layer, input layers and weight quantizers (a
-    weight's Q/DQ is an initializer, checked at its layer's output) left
-    out. Paths are the names from the model down, made unique."""
+    nested models and the layers inside custom layers included, the
+    activation quantizers of quantized layers as layers of their own, input
+    layers and weight quantizers (a weight's Q/DQ is an initializer,
+    checked at its layer's output) left out. Paths are the names from the
+    model down, made unique."""
     import keras
 
     found, paths = [], set()
     for layer, parents in walk_layers(
         model,
         include_models=True,
-        stop_at=(QuantizeWrapper,),
         with_parents=True,
+        owned=True,
     ):
         if isinstance(layer, (keras.layers.InputLayer, WeightQuantizer)):
             continue
@@ -87,10 +85,6 @@ def _recording(layers, calls, fetched, skipped, graph):
             name = path if n == 1 else f"{path} (call {n})"
             fetched.append(floats[0])
             output = len(fetched) - 1
-            if isinstance(layer, QuantizeWrapper) and layer.input_quantizers:
-                x = args[0] if args else next(iter(kwargs.values()))
-                x = list(x) if isinstance(x, (list, tuple)) else [x]
-                fetched.extend(x[i] for i in layer.input_indices)
             scope = tf.get_current_name_scope()
             calls.append(
                 Call(
@@ -99,7 +93,6 @@ def _recording(layers, calls, fetched, skipped, graph):
                     scope,
                     floats[0].name,
                     output,
-                    tuple(range(output + 1, len(fetched))),
                 )
             )
             return out

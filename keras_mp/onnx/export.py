@@ -8,7 +8,7 @@ import numpy as np
 
 from keras_mp import _inputs
 from keras_mp._compat import optional_import
-from keras_mp._models import check_model, walk_layers
+from keras_mp._models import check_model
 from keras_mp.io import atomic_path
 from keras_mp.onnx import fp16 as onnx_fp16
 from keras_mp.onnx.convert import function_to_onnx
@@ -22,12 +22,7 @@ from keras_mp.onnx.parity import (
 )
 from keras_mp.onnx.twin import float32_twin, half_compute_dtype
 from keras_mp.quantization.calibrate import activation_quantizers
-from keras_mp.quantization.layers import (
-    QuantizeActivation,
-    QuantizeWrapper,
-    iter_quantize_layers,
-)
-from keras_mp.quantization.twins import is_quantized
+from keras_mp.quantization.twins import quantizers as quantizers_of
 
 # tf2onnx 1.17 converts up to opset 18; later opsets go through ONNX's
 # version converter.
@@ -54,18 +49,9 @@ def _check_signature(model, what):
         )
 
 
-def _weight_bits(layer):
-    """The weight bits of a wrapper or quantized twin; None for others."""
-    if isinstance(layer, QuantizeWrapper):
-        return layer.config.num_bits
-    if is_quantized(layer):
-        return layer.quantize_config.num_bits
-    return None
-
-
 def _check_exportable(model):
     _check_signature(model, "export_onnx")
-    quantizers = activation_quantizers(model)
+    quantizers = activation_quantizers(model, "export_onnx")
     problems = [
         name
         for name, q in quantizers.items()
@@ -80,16 +66,9 @@ def _check_exportable(model):
             "QuantizeConfig(skip=True)."
         )
     narrow = sorted(
-        {
-            f"{name} ({q.num_bits} bits)"
-            for name, q in quantizers.items()
-            if q.num_bits != 8
-        }
-        | {
-            f"{layer.name} weights ({bits} bits)"
-            for layer in iter_quantize_layers(model)
-            if (bits := _weight_bits(layer)) not in (None, 8)
-        }
+        f"{q.name} ({q.quantizer.num_bits} bits)"
+        for q in quantizers_of(model, "export_onnx")
+        if q.quantizer.num_bits != 8
     )
     if narrow:
         raise ExportError(
@@ -274,10 +253,7 @@ def export_onnx(
 
 
 def _quantized_by_keras_mp(model):
-    return any(
-        isinstance(layer, (QuantizeWrapper, QuantizeActivation))
-        for layer in walk_layers(model, stop_at=(QuantizeWrapper,))
-    )
+    return bool(quantizers_of(model, "export_onnx"))
 
 
 def _check_tensorrt_contract(model, proto, allow_lint_violations):

@@ -145,27 +145,14 @@ def _quantizer_scales(model):
     """`(description, range amax, exported scale)` of each enabled quantizer
     of `model`; the scale is the one tf2onnx writes for it:
     `max(amax, MIN_AMAX) / 127` in float32."""
-    from keras_mp.quantization.layers import (
-        QuantizeWrapper,
-        iter_quantize_layers,
-    )
     from keras_mp.quantization.quantizers import MIN_AMAX
+    from keras_mp.quantization.twins import quantizers
 
-    found = []
-    for layer in iter_quantize_layers(model):
-        if not isinstance(layer, QuantizeWrapper):
-            if layer.enabled:
-                found.append((f"QuantizeActivation '{layer.name}'", layer.amax))
-            continue
-        where = f"{type(layer.layer).__name__} '{layer.layer.name}'"
-        for i, q in zip(layer.input_indices, layer.input_quantizers):
-            if q.enabled:
-                found.append(
-                    (f"input {i} of {where} ({layer.name}/{q.name})", q.amax)
-                )
-        if layer.enabled:
-            for weight, _, amax in layer.weight_ranges:
-                found.append((f"{weight} of {where} ({layer.name})", amax))
+    found = [
+        (f"{q.name} ({'weight' if q.weight else 'input'})", q.quantizer.amax)
+        for q in quantizers(model, "export_onnx")
+        if getattr(q.quantizer, "enabled", True) and q.layer.enabled
+    ]
     rows = []
     for description, variable in found:
         amax = np.asarray(variable.numpy(), np.float32)

@@ -7,7 +7,6 @@ Guide: `docs/quantization.md`.
 """
 
 from keras_mp.quantization.annotate import (
-    QuantizeAnnotate,
     quantize_annotate_layer,
     quantize_annotate_model,
     quantize_apply,
@@ -15,11 +14,13 @@ from keras_mp.quantization.annotate import (
 )
 from keras_mp.quantization.calibrate import activation_quantizers, calibrate
 from keras_mp.quantization.config import QuantizeConfig
-from keras_mp.quantization.layers import (
-    QuantizeActivation,
+from keras_mp.quantization.layers import QuantizeActivation
+from keras_mp.quantization.legacy import (
+    QuantizeAnnotate,
     QuantizeWrapper,
-    set_quantization_enabled,
+    upgrade,
 )
 from keras_mp.quantization.model import QuantizedModel
 from keras_mp.quantization.report import quantization_report
 from keras_mp.quantization.strip import strip_quantization
+from keras_mp.quantization.twins import set_quantization_enabled

@@ -15,11 +15,7 @@ from keras_mp.quantization.calibrators import (
     CALIBRATORS,
     PercentileCalibrator,
 )
-from keras_mp.quantization.layers import (
-    QuantizeActivation,
-    QuantizeWrapper,
-    iter_quantize_layers,
-)
+from keras_mp.quantization.twins import quantizers as all_quantizers
 
 
 @dataclasses.dataclass
@@ -148,7 +144,7 @@ def calibrate(
         raise ValueError(
             f"`percentile` must be in (0, 100]. Received: {percentile}"
         )
-    quantizers = activation_quantizers(model)
+    quantizers = activation_quantizers(model, "calibrate")
     if not quantizers:
         raise ValueError(
             f"Model {model.name!r} has no activation quantizer to calibrate. "
@@ -197,26 +193,27 @@ def calibrate(
             collapsed.append(name)
         q.amax.assign(amax)
         ranges[name] = amax
-    for layer in iter_quantize_layers(model):
-        if not isinstance(layer, QuantizeActivation):
-            layer.update_weight_ranges()
+    for q in all_quantizers(model, "calibrate"):
+        if q.weight is not None:
+            q.quantizer.update(getattr(q.layer, q.weight))
     _models.reset_compiled_functions(model)
     return CalibrationReport(
         method, batches, samples, ranges, observed, collapsed
     )
 
 
-def activation_quantizers(model):
+def activation_quantizers(model, caller="activation_quantizers"):
     """Every activation quantizer of `model` by name (the ones `calibrate`
     sets and its report lists).
 
-    Names: `<wrapper>/input_<i>` for a `QuantizeWrapper`, `<layer
-    path>/<name>` for a quantized twin (`input_0`, `input_query`,
-    `attention_probs`, ...), the layer name of a stand-alone
-    `QuantizeActivation`.
+    Names: `<layer path>/<name>` for a quantized layer (`input_0`,
+    `input_query`, `attention_probs`, `pointwise_input`, ...), the layer
+    path of a stand-alone `QuantizeActivation`. Layer paths are the float
+    model's layer names.
 
     Args:
         model: a quantized `keras.Model`.
+        caller: str. The public function asking, for errors.
 
     Returns:
         dict of name -> quantizer (its range is `quantizer.amax`).
@@ -225,16 +222,8 @@ def activation_quantizers(model):
 
     >>> {k: float(q.amax) for k, q in activation_quantizers(qmodel).items()}
     """
-    out = {}
-    for layer in iter_quantize_layers(model):
-        if isinstance(layer, QuantizeWrapper):
-            for i, q in zip(layer.input_indices, layer.input_quantizers):
-                out[f"{layer.name}/input_{i}"] = q
-            for q in layer.inner_quantizers:
-                out[f"{layer.name}/{q.name}"] = q
-        elif isinstance(layer, QuantizeActivation):
-            out[layer.name] = layer
-        else:
-            for name, q in layer.named_quantizers().items():
-                out[f"{layer.quantize_path}/{name}"] = q
-    return out
+    return {
+        q.name: q.quantizer
+        for q in all_quantizers(model, caller)
+        if q.weight is None
+    }

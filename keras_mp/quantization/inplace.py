@@ -1,81 +1,47 @@
-"""Quantization in place: any Keras 3 model, layers at any depth.
+"""Quantization in place: the one attach mechanism, for any Keras 3 model.
 
-Used for the models a layer-graph copy cannot reach: subclassed models,
-layers inside custom layers (keras-hub backbones, `MultiHeadAttention`), and
-Functional subclasses. The model is copied through its config (or, with
-`in_place=True`, taken as it is), the selected layers are turned into their
-quantized twins (`twins.py`) by a recipe (`recipe.py`), and the result is
-a `QuantizedModel` (`model.py`) that saves that recipe.
+The model is copied once through its config (or, with `in_place=True`,
+taken as it is), the selected layers become their quantized twins where
+they are (`twins.py`), keeping their names, by a recipe (`recipe.py`, with
+the placement of `placement.py`), and the result is a `QuantizedModel`
+(`model.py`) that saves that recipe.
 """
 
 import warnings
 
 import keras
 
-from keras_mp import layer_table
+from keras_mp import _keras, _models, layer_table
 from keras_mp.quantization.config import QuantizeConfig
 from keras_mp.quantization.layers import quantizable_row
 from keras_mp.quantization.model import QuantizedModel
-from keras_mp.quantization.recipe import (
-    apply_recipe,
-    check_same_structure,
-    float_class_name,
-    make_recipe,
-    walk,
-)
+from keras_mp.quantization.recipe import apply_recipe, make_recipe
 from keras_mp.selection import layer_matcher
 
-# Attribute that `quantize_annotate_model` sets on the layers it marks in a
-# model it cannot rewrite as a graph.
+# Attribute set on the layers `quantize_annotate_*` marks (not saved).
 ANNOTATION = "_keras_mp_annotation"
 
-
-def copy_state(source, target):
-    """Copies every layer's own variables (Keras' per-layer save format)
-    from `source` to `target`, two models of the same structure; quantizer
-    state is left out, so either may be quantized."""
-    pairs = [(source, target)] + [
-        (a, b)
-        for (a, _), (b, _) in zip(walk(source), walk(target), strict=True)
-    ]
-    for a, b in pairs:
-        store = {}
-        a.save_own_variables(store)
-        b.load_own_variables(store)
+_COPY_ADVICE = (
+    "or quantize the model object itself with "
+    "`keras_mp.quantize_model(model, in_place=True)` (it cannot be saved as "
+    ".keras then; `save_weights` works)."
+)
 
 
-def rebuild(model, config, caller, advice):
-    """`model` rebuilt from its float `config`, checked to be the same
-    model layer for layer, with `model`'s weights (quantizers left out).
-
-    `caller` names the function for the errors; `advice` says what else
-    to do when the model cannot be rebuilt."""
-    try:
-        fresh = keras.saving.deserialize_keras_object(config, safe_mode=False)
-    except Exception as e:  # any layer's from_config can fail its own way
-        raise ValueError(
-            f"`{caller}` needs model {model.name!r} rebuilt from its config, "
-            f"and that failed ({type(e).__name__}: {e}). Give "
-            f"{type(model).__name__} a `get_config()` returning its "
-            "constructor arguments (and register it with "
-            f"`keras.saving.register_keras_serializable()`), or {advice}"
-        ) from e
-    layers = [float_class_name(layer) for layer, _ in walk(model)]
-    check_same_structure(fresh, layers, caller)
-    copy_state(model, fresh)
-    return fresh
-
-
-def copy_model(model, caller):
-    """A float copy of `model`, rebuilt from its config, same weights."""
-    return rebuild(
-        model,
-        keras.saving.serialize_keras_object(model),
-        caller,
-        "quantize the model object itself with "
-        "`keras_mp.quantize_model(model, in_place=True)` (it cannot be "
-        "saved as .keras then; `save_weights` works).",
+def unsupported(layer):
+    """The ValueError for a layer of a type that cannot be quantized."""
+    supported = ", ".join(layer_table.quantizable_names())
+    return ValueError(
+        f"Layer {layer.name!r} of type {type(layer).__name__} cannot be "
+        f"quantized. Supported types: {supported}. Leave it out of the "
+        "selection or give it `QuantizeConfig(skip=True)`."
     )
+
+
+def annotate(layer, config):
+    """Marks `layer` for `quantize_apply` with `config`."""
+    with _keras.unlocked(layer):
+        object.__setattr__(layer, ANNOTATION, config)
 
 
 def config_for(chain, config):
@@ -97,14 +63,28 @@ def config_for(chain, config):
 
 
 def _annotation(chain):
-    from keras_mp.quantization.annotate import QuantizeAnnotate
-
     for layer in chain:
         if hasattr(layer, ANNOTATION):
             return getattr(layer, ANNOTATION)
-        if isinstance(layer, QuantizeAnnotate):
-            return layer.config or QuantizeConfig()
     return None
+
+
+def _check_names(model, walked, layers, config):
+    """A ValueError when a layer name (or regex) of `layers` or of the keys
+    of a `config` dict matches no layer of `model` at all."""
+    names = [s for s in (layers if isinstance(layers, list) else [layers])]
+    names = [s for s in names if isinstance(s, str)]
+    if isinstance(config, dict):
+        names += [k for k in config if isinstance(k, str)]
+    for name in names:
+        match = layer_matcher(name)
+        if not any(match(layer) for layer, _ in walked):
+            known = sorted({layer.name for layer, _ in walked})
+            shown = ", ".join(known[:12]) + (", ..." if len(known) > 12 else "")
+            raise ValueError(
+                f"No layer of model {model.name!r} is named (or matches) "
+                f"{name!r}. Its layers: {shown}. Nothing was quantized."
+            )
 
 
 def choose(model, layers=None, config=None, annotated=False):
@@ -112,18 +92,21 @@ def choose(model, layers=None, config=None, annotated=False):
 
     A layer is selected when it or a layer holding it matches `layers`; its
     config is the first entry of `config` that matches it or, nearest
-    first, a layer holding it (so a custom layer's name selects and
-    configures everything inside it). With `annotated`, only the layers
-    `quantize_annotate_*` marked (or held by a marked layer) count.
-    """
-    from keras_mp.quantization.annotate import QuantizeAnnotate
+    first, a layer holding it (so a custom layer's or a nested model's
+    name selects and configures everything inside it). With `annotated`,
+    only the layers `quantize_annotate_*` marked (or held by a marked
+    layer) count.
 
+    Raises:
+        ValueError: a name in `layers` or `config` matches no layer; a
+            layer selected by its name is of an unsupported type.
+    """
+    walked = _models.walk(model)
+    _check_names(model, walked, layers, config)
     match = layer_matcher(layers)
     chosen = {}
-    for index, (layer, parents) in enumerate(walk(model)):
-        if isinstance(
-            layer, (keras.Model, keras.layers.InputLayer, QuantizeAnnotate)
-        ):
+    for index, (layer, parents) in enumerate(walked):
+        if isinstance(layer, (keras.Model, keras.layers.InputLayer)):
             continue
         chain = (layer,) + tuple(reversed(parents))
         if not any(match(item) for item in chain):
@@ -135,9 +118,13 @@ def choose(model, layers=None, config=None, annotated=False):
                 continue
         if layer_config is not None and layer_config.skip:
             continue
-        if quantizable_row(layer) is None or not layer.built:
+        if quantizable_row(layer) is None:
+            named = isinstance(layers, str) and layer.name == layers
+            if named and not _keras.sublayers(layer):
+                raise unsupported(layer)
             continue
-        chosen[index] = layer_config or QuantizeConfig()
+        if layer.built:
+            chosen[index] = layer_config or QuantizeConfig()
     return chosen
 
 
@@ -150,16 +137,15 @@ def _nothing_to_quantize(model, layers):
 
 
 def annotate_in_place(model, layers, config):
-    """`quantize_annotate_model` for a model that is not a layer graph: a
-    copy whose selected layers carry their `QuantizeConfig` (read by
-    `quantize_apply`)."""
+    """`quantize_annotate_model`: a copy whose selected layers carry their
+    `QuantizeConfig` (read by `quantize_apply`)."""
     choices = choose(model, layers, config)
     if not choices:
         raise _nothing_to_quantize(model, layers)
-    copy = copy_model(model, "quantize_annotate_model")
-    walked = walk(copy)
+    copy = _models.copy_model(model, "quantize_annotate_model", _COPY_ADVICE)
+    walked = _models.walk(copy)
     for index, layer_config in choices.items():
-        setattr(walked[index][0], ANNOTATION, layer_config)
+        annotate(walked[index][0], layer_config)
     return copy
 
 
@@ -171,8 +157,6 @@ def quantize_in_place(
     Returns:
         A `QuantizedModel`.
     """
-    from keras_mp.quantization.annotate import skip_indices
-
     caller = "quantize_apply" if annotated else "quantize_model"
     choices = choose(model, layers, config, annotated)
     if not choices:
@@ -183,8 +167,10 @@ def quantize_in_place(
                 "keras_mp.quantize_model(model)."
             )
         raise _nothing_to_quantize(model, layers)
-    target = model if in_place else copy_model(model, caller)
-    recipe = make_recipe(target, choices, skip_indices)
+    target = (
+        model if in_place else _models.copy_model(model, caller, _COPY_ADVICE)
+    )
+    recipe = make_recipe(target, choices)
     if not recipe.entries:
         raise _nothing_to_quantize(model, layers)
     apply_recipe(target, recipe)

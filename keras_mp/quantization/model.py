@@ -12,7 +12,6 @@ rebuilt from its config fails at save time, never silently on load.
 import keras
 
 from keras_mp import _models
-from keras_mp.quantization import twins
 from keras_mp.quantization.recipe import Recipe, apply_recipe
 
 
@@ -54,7 +53,7 @@ class QuantizedModel(_models.RecordedModel):
 
     def float_config(self):
         """The serialized float model (no quantized twin in it)."""
-        with twins.float_classes(self.model):
+        with _models.float_classes(self.model):
             return keras.saving.serialize_keras_object(self.model)
 
     inner_config = float_config

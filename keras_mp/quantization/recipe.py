@@ -15,9 +15,8 @@ import warnings
 import keras
 import numpy as np
 
-from keras_mp import _inputs, _keras, _models, layer_table
-from keras_mp.layer_table import ALL_INPUTS, NO_INPUTS, SKIP_INPUTS
-from keras_mp.quantization import attention, hub_attention, twins
+from keras_mp import _inputs, _keras, _models
+from keras_mp.quantization import attention, hub_attention, placement, twins
 from keras_mp.quantization.attention import (
     ATTENTION_MATMUL_INPUTS,
     QuantizedAttention,
@@ -52,48 +51,6 @@ class Recipe:
         return cls(tuple(config["entries"]), tuple(config["layers"]))
 
 
-def float_class_name(layer):
-    """The name of `layer`'s class, of its float class for a twin."""
-    cls = type(layer)
-    return (
-        cls.float_class.__name__ if twins.is_quantized(layer) else cls.__name__
-    )
-
-
-def walk(model):
-    """`(layer, parents)` of every layer of `model`, nested models included,
-    skipping the quantizers that quantized twins own."""
-    owned = twins.owned_quantizers(model)
-    return [
-        (layer, parents)
-        for layer, parents in _models.walk_layers(
-            model, include_models=True, with_parents=True
-        )
-        if id(layer) not in owned
-    ]
-
-
-def path_of(layer, parents):
-    return "/".join(p.name for p in parents + (layer,))
-
-
-def check_same_structure(model, layers, what):
-    """Raises a ValueError unless the walk of `model` has the classes
-    `layers` (a recipe's), naming the first difference."""
-    found = [float_class_name(layer) for layer, _ in walk(model)]
-    difference = _models.first_difference(found, layers)
-    if difference is None:
-        return
-    where, got, want = difference
-    raise ValueError(
-        f"{what}: model {model.name!r} does not have the layers the "
-        f"quantization recipe was made for (layer {where} of its walk is "
-        f"{got}, the recipe expects {want}; {len(found)} layers, "
-        f"{len(layers)} expected). Build it with the same code and "
-        "arguments as the model that was quantized."
-    )
-
-
 @functools.cache
 def twin_class(cls):
     """The quantized twin of layer class `cls`: a subclass of it and of
@@ -122,7 +79,7 @@ def _activation(config, name):
     return q
 
 
-def attach(layer, row, config, inputs, path):
+def attach(layer, row, config, inputs, path, calls=1):
     """Turns `layer` into its quantized twin, in place.
 
     Args:
@@ -132,6 +89,8 @@ def attach(layer, row, config, inputs, path):
         inputs: the inputs that get a Q/DQ: indices, or for an attention
             layer the names (`ATTENTION_INPUTS`) that own one.
         path: str. The layer's path of names below the model.
+        calls: int. How many calls of the layer one input range covers
+            (a shared layer: more than one).
     """
     with _keras.unlocked(layer):
         layer.quantize_config = config
@@ -171,7 +130,10 @@ def attach(layer, row, config, inputs, path):
             if row.separable
             else []
         )
+        layer.quantize_calls = int(calls)
     object.__setattr__(layer, "__class__", twin_class(type(layer)))
+    for q in layer.owned_quantizers():
+        _models.own(layer, q)
     layer.update_weight_ranges()
 
 
@@ -181,8 +143,13 @@ def apply_recipe(model, recipe):
     Raises:
         ValueError: `model` is not the model the recipe was made for.
     """
-    check_same_structure(model, recipe.layers, "Applying a quantization recipe")
-    walked = walk(model)
+    _models.check_structure(
+        model,
+        list(recipe.layers),
+        "Applying a quantization recipe",
+        "the quantization recipe",
+    )
+    walked = _models.walk(model)
     for entry in recipe.entries:
         layer, parents = walked[entry["index"]]
         attach(
@@ -190,33 +157,9 @@ def apply_recipe(model, recipe):
             quantizable_row(layer),
             QuantizeConfig.from_config(entry["config"]),
             entry["inputs"],
-            path_of(layer, parents),
+            _models.layer_path(layer, parents),
+            entry.get("calls", 1),
         )
-
-
-def _input_count(layer):
-    """How many tensors the layer's first input holds (merge layers)."""
-    nodes = _keras.inbound_nodes(layer)
-    if nodes:
-        return len(nodes[0].input_tensors)
-    shape = (layer.get_build_config() or {}).get("input_shape")
-    if isinstance(shape, (list, tuple)) and any(
-        isinstance(s, (list, tuple)) for s in shape
-    ):
-        return len(shape)
-    return 1
-
-
-def input_placement(layer, row, config, skip_indices):
-    """The input indices of a leaf layer that get a Q/DQ."""
-    placement = row.inputs
-    if config.quantize_inputs is not None:
-        placement = ALL_INPUTS if config.quantize_inputs else NO_INPUTS
-    if placement == ALL_INPUTS:
-        return list(range(_input_count(layer)))
-    if placement == SKIP_INPUTS:
-        return skip_indices(layer)
-    return []
 
 
 def _probe_calls(model, layers):
@@ -275,70 +218,29 @@ def _zeros_like_inputs(model):
     return _inputs.call_arg(model, arrays, specs)
 
 
-def _attention_inputs(calls):
-    """The input names that own a Q/DQ: one per distinct tensor of every
-    call the probe saw; all three when it saw none."""
-    if not calls or any(c is None for c in calls):
-        return list(attention.ATTENTION_INPUTS)
-    needed = {source for c in calls for source in c.values()}
-    return [n for n in attention.ATTENTION_INPUTS if n in needed]
-
-
-def make_recipe(structure, choices, skip_indices):
+def make_recipe(structure, choices):
     """The recipe for float model `structure`.
 
     Args:
         structure: the float model to be quantized (walked, probed).
         choices: `{walk index: QuantizeConfig}` of the selected layers.
-        skip_indices: callable giving the residual-Add input indices.
 
     Returns:
         `Recipe`.
     """
-    walked = walk(structure)
-    projections = set()
-    for layer, _ in walked:
-        row = layer_table.row_for(layer)
-        if row is not None and row.attention and layer.built:
-            projections.update(
-                id(p) for p in _keras.attention_projections(layer) if p
-            )
+    walked = _models.walk(structure)
     candidates = [walked[i][0] for i in choices]
     calls = _probe_calls(structure, candidates) or {}
-    entries, shared = [], []
-    for index, config in sorted(choices.items()):
+    entries = []
+    for index, inputs, count in placement.decide(walked, choices, calls):
         layer, _ = walked[index]
-        row = quantizable_row(layer)
-        if row.attention:
-            inputs = (
-                []
-                if config.quantize_inputs is False or row.inputs == NO_INPUTS
-                else _attention_inputs(calls.get(id(layer)))
-            )
-            if not inputs and not config.attention:
-                continue
-        else:
-            inputs = []
-            if id(layer) not in projections:
-                inputs = input_placement(layer, row, config, skip_indices)
-            if not row.weights and not inputs:
-                continue
-            if len(calls.get(id(layer), ())) > 1 and inputs:
-                shared.append(layer.name)
-        entries.append(
-            {
-                "index": index,
-                "class_name": float_class_name(layer),
-                "config": config.get_config(),
-                "inputs": inputs,
-            }
-        )
-    if shared:
-        warnings.warn(
-            f"Layers called more than once (shared weights): "
-            f"{', '.join(shared)}. Each gets one input Q/DQ whose range "
-            "covers all its calls (one scale for every call).",
-            stacklevel=4,
-        )
-    layers = tuple(float_class_name(layer) for layer, _ in walked)
-    return Recipe(tuple(entries), layers)
+        entry = {
+            "index": index,
+            "class_name": _models.class_name(layer),
+            "config": choices[index].get_config(),
+            "inputs": inputs,
+        }
+        if count > 1:
+            entry["calls"] = count
+        entries.append(entry)
+    return Recipe(tuple(entries), tuple(_models.structure(structure)))

@@ -6,27 +6,27 @@ import numpy as np
 from keras_mp import _keras, _models, layer_table
 from keras_mp.layer_table import NO_INPUTS
 from keras_mp.quantization import twins
-from keras_mp.quantization.layers import (
-    QuantizeActivation,
-    QuantizeWrapper,
-    quantizable_row,
-)
+from keras_mp.quantization.layers import QuantizeActivation, quantizable_row
+from keras_mp.quantization.legacy import check_current
 
 
 def _quantized_row(layer):
-    """A QuantizeWrapper's or a quantized twin's row."""
-    if isinstance(layer, QuantizeWrapper):
-        kind = type(layer.layer).__name__
-        named = dict(zip(layer.input_indices, layer.input_quantizers))
-        named.update((q.name, q) for q in layer.inner_quantizers)
-    else:
-        kind = type(layer).float_class.__name__
-        named = {
-            int(k[6:]) if k[6:].isdigit() else k: q
-            for k, q in layer.named_quantizers().items()
-        }
+    """A quantized layer's row."""
+    kind = _models.class_name(layer)
+    named = {
+        int(k[6:]) if k[6:].isdigit() else k: q
+        for k, q in layer.named_quantizers().items()
+    }
     amaxes = {k: float(q.amax.numpy()) for k, q in named.items()}
     uncalibrated = any(a == 0 for a in amaxes.values())
+    notes = []
+    if uncalibrated:
+        notes.append("uncalibrated input range (0): run keras_mp.calibrate")
+    if layer.quantize_calls > 1 and named:
+        notes.append(
+            f"shared: called {layer.quantize_calls} times, one input range "
+            "covers every call"
+        )
     return {
         "type": kind,
         "quantized": True,
@@ -35,9 +35,7 @@ def _quantized_row(layer):
             attr: (float(np.min(v.numpy())), float(np.max(v.numpy())))
             for attr, _, v in layer.weight_ranges
         },
-        "note": "uncalibrated input range (0): run keras_mp.calibrate"
-        if uncalibrated
-        else "",
+        "note": "; ".join(notes),
     }
 
 
@@ -85,17 +83,15 @@ def quantization_report(model, verbose=True):
     >>> [r["layer"] for r in rows if r["quantized"]]
     """
     _models.check_model(model, "quantization_report")
+    check_current(model, "quantization_report")
     rows = []
-    stop = (QuantizeWrapper, QuantizeActivation)
-    owned = twins.owned_quantizers(model)
-    for layer, parents in _models.walk_layers(
-        model, stop_at=stop, with_parents=True
-    ):
-        if isinstance(layer, keras.layers.InputLayer) or id(layer) in owned:
+    root = _models.contents(model)
+    for layer, parents in _models.walk_layers(root, with_parents=True):
+        if isinstance(layer, keras.layers.InputLayer):
             continue
         path = _models.layer_path(layer, parents)
         row = {"layer": layer.name, "path": path, "type": type(layer).__name__}
-        if isinstance(layer, QuantizeWrapper) or twins.is_quantized(layer):
+        if twins.is_quantized(layer):
             row.update(_quantized_row(layer))
         elif isinstance(layer, QuantizeActivation):
             row.update(quantized=True, inputs={0: float(layer.amax.numpy())})

@@ -11,7 +11,7 @@ the recipe again on load (`recipe.py`). The attention twin is in
 `attention.py`. Guide: `docs/quantization.md`.
 """
 
-import contextlib
+import dataclasses
 import functools
 import inspect
 
@@ -20,6 +20,7 @@ import keras
 from keras_mp import _keras, _models
 from keras_mp.quantization.config import QuantizeConfig
 from keras_mp.quantization.layers import (
+    QuantizeActivation,
     _channel_view,
     _num_channels,
     weight_amax,
@@ -135,6 +136,16 @@ class QuantizedLayer:
             for attr, q in zip(self.weight_attrs, self.weight_quantizers)
         ]
 
+    def owned_quantizers(self):
+        """Every quantizer this layer owns (inputs, weights, attention
+        matmuls, pointwise input)."""
+        return [
+            *self.input_quantizers,
+            *self.weight_quantizers,
+            *self.inner_quantizers,
+            *getattr(self, "attention_quantizers", []),
+        ]
+
     def named_quantizers(self):
         """The activation quantizers by name (`input_0`, ...)."""
         named = {
@@ -228,24 +239,92 @@ def quantized_layers(model):
     ]
 
 
-def owned_quantizers(model):
-    """Ids of the quantizer layers that twins inside `model` own."""
-    owned = set()
-    for layer in quantized_layers(model):
-        owned.update(id(q) for q in layer.named_quantizers().values())
-        owned.update(id(q) for q in layer.weight_quantizers)
-    return owned
+def check_float(model, caller):
+    """Raises a ValueError naming `caller` when `model` is quantized
+    already (a `QuantizedModel`, or holding quantized layers)."""
+    from keras_mp.quantization.model import QuantizedModel
+
+    found = [model] if isinstance(model, QuantizedModel) else []
+    found += quantized_layers(model)
+    if found:
+        raise ValueError(
+            f"`{caller}`: model {model.name!r} is already quantized (layer "
+            f"{found[0].name!r}). Call it on the float model, or get the "
+            "float model back with keras_mp.strip_quantization()."
+        )
 
 
-@contextlib.contextmanager
-def float_classes(model):
-    """Within the block, every twin inside `model` has its float class back,
-    so Keras serializes the float model (its config holds no twin)."""
-    switched = [(layer, type(layer)) for layer in quantized_layers(model)]
-    for layer, twin in switched:
-        object.__setattr__(layer, "__class__", twin.float_class)
-    try:
-        yield
-    finally:
-        for layer, twin in switched:
-            object.__setattr__(layer, "__class__", twin)
+@dataclasses.dataclass(frozen=True)
+class Quantizer:
+    """One quantizer of a model, as `quantizers` lists it.
+
+    Attributes:
+        name: str. `<layer path>/<input name>` (`input_0`, `input_query`,
+            `attention_probs`, `pointwise_input`), `<layer path>/<weight
+            attribute>` for a weight, the layer path of a stand-alone
+            `QuantizeActivation`.
+        quantizer: the quantizer layer (its range is `quantizer.amax`).
+        layer: the layer that owns it (itself when stand-alone).
+        weight: str or None. The attribute of the weight it quantizes;
+            None for an activation.
+    """
+
+    name: str
+    quantizer: object
+    layer: object
+    weight: str = None
+
+
+def quantizers(model, caller="keras_mp"):
+    """Every quantizer inside `model`, at any depth: the one enumeration
+    that calibration, reports, export and comparison read.
+
+    Args:
+        model: a `keras.Model` (or layer).
+        caller: str. The public function asking, for the error.
+
+    Returns:
+        list of `Quantizer`, in walk order.
+
+    Raises:
+        ValueError: `model` holds layers saved by an earlier keras_mp
+            (`keras_mp.upgrade` converts them).
+    """
+    from keras_mp.quantization.legacy import check_current
+
+    check_current(model, caller)
+    found = []
+    root = _models.contents(model)
+    for layer, parents in _models.walk_layers(root, with_parents=True):
+        path = _models.layer_path(layer, parents)
+        if is_quantized(layer):
+            for key, q in layer.named_quantizers().items():
+                found.append(Quantizer(f"{path}/{key}", q, layer))
+            for attr, q in zip(layer.weight_attrs, layer.weight_quantizers):
+                found.append(Quantizer(f"{path}/{attr}", q, layer, attr))
+        elif isinstance(layer, QuantizeActivation):
+            found.append(Quantizer(path, layer, layer))
+    return found
+
+
+def set_quantization_enabled(model, enabled):
+    """Turns every fake-quant in `model` on or off (off: float outputs).
+
+    Resets the model's compiled functions so `predict`/`fit` retrace.
+
+    Args:
+        model: `keras.Model`, quantized (e.g. by `keras_mp.quantize_model`).
+        enabled: bool. False runs the float model.
+
+    Raises:
+        TypeError: `model` is not a Keras 3 model.
+
+    Example:
+
+    >>> keras_mp.set_quantization_enabled(qmodel, False)  # float outputs
+    """
+    _models.check_model(model, "set_quantization_enabled")
+    owners = {id(q.layer): q.layer for q in quantizers(model)}
+    for owner in owners.values():
+        owner.enabled = bool(enabled)
+    _models.reset_compiled_functions(model)

@@ -1,0 +1,145 @@
+"""Where the Q/DQ go: every placement decision of keras_mp, in one place.
+
+TensorRT's explicit-quantization rules (`docs/quantization.md`): Q/DQ on
+the inputs of weighted layers (per the layer table's row, or a
+`QuantizeConfig` override); on a residual Add, the inputs TensorRT cannot
+fuse into the convolution before it; none on Concatenate and pooling (the
+consumer's Q moves across them); attention layers own one Q/DQ per
+distinct input tensor, and the projections inside them take theirs from
+the attention layer; a layer called more than once shares one input range.
+The ONNX lint (`keras_mp/onnx/rules.py`) checks the exported graph with the
+same fusibility facts (`fusable_producer`).
+"""
+
+import warnings
+
+import keras
+
+from keras_mp import _keras, layer_table
+from keras_mp.layer_table import ALL_INPUTS, NO_INPUTS, SKIP_INPUTS
+from keras_mp.quantization import attention
+from keras_mp.quantization.layers import quantizable_row
+
+
+def fusable_producer(layer):
+    """True when TensorRT can fuse `layer`'s output into a following Add:
+    a weighted layer, optionally through BatchNormalization."""
+    if isinstance(layer, keras.layers.BatchNormalization):
+        nodes = _keras.inbound_nodes(layer)
+        tensors = nodes[0].input_tensors if nodes else []
+        parents = [_keras.producer(t) for t in tensors]
+        return any(p is not None and fusable_producer(p) for p in parents)
+    row = layer_table.row_for(layer)
+    return row is not None and row.weighted
+
+
+def skip_indices(layer):
+    """Residual Add: Q/DQ on the inputs TensorRT cannot fuse, when at least
+    one input comes from a weighted layer; none otherwise (and none for an
+    Add that is not a node of a layer graph: its producers are unknown)."""
+    nodes = _keras.inbound_nodes(layer)
+    if not nodes:
+        return []
+    producers = [_keras.producer(t) for t in nodes[0].input_tensors]
+    fusable = [p is not None and fusable_producer(p) for p in producers]
+    if not any(fusable):
+        return []
+    # TensorRT fuses the Add into a GEMM whose output feeds the Add only;
+    # one that also feeds other layers (a transformer's residual stream)
+    # keeps its output, so its tensor is the skip input.
+    alone = [
+        i
+        for i, p in enumerate(producers)
+        if fusable[i] and len(_keras.outbound_nodes(p)) == 1
+    ]
+    fused = alone[0] if alone else fusable.index(True)
+    return [i for i in range(len(producers)) if i != fused]
+
+
+def _input_count(layer):
+    """How many tensors the layer's first input holds (merge layers)."""
+    nodes = _keras.inbound_nodes(layer)
+    if nodes:
+        return len(nodes[0].input_tensors)
+    shape = (layer.get_build_config() or {}).get("input_shape")
+    if isinstance(shape, (list, tuple)) and any(
+        isinstance(s, (list, tuple)) for s in shape
+    ):
+        return len(shape)
+    return 1
+
+
+def input_placement(layer, row, config):
+    """The input indices of a leaf layer that get a Q/DQ."""
+    placement = row.inputs
+    if config.quantize_inputs is not None:
+        placement = ALL_INPUTS if config.quantize_inputs else NO_INPUTS
+    if placement == ALL_INPUTS:
+        return list(range(_input_count(layer)))
+    if placement == SKIP_INPUTS:
+        return skip_indices(layer)
+    return []
+
+
+def attention_inputs(calls):
+    """The attention input names that own a Q/DQ: one per distinct tensor
+    of every call the probe saw; all three when it saw none."""
+    if not calls or any(c is None for c in calls):
+        return list(attention.ATTENTION_INPUTS)
+    needed = {source for c in calls for source in c.values()}
+    return [n for n in attention.ATTENTION_INPUTS if n in needed]
+
+
+def decide(walked, choices, calls):
+    """The Q/DQ placement of the selected layers of a float model.
+
+    Args:
+        walked: `_models.walk(model)`.
+        choices: `{walk index: QuantizeConfig}` of the selected layers.
+        calls: `{id(layer): [attention sources or None, ...]}`, one entry
+            per call a probe run saw (empty when the model could not run).
+
+    Returns:
+        `[(walk index, inputs, number of calls)]` of the layers that get a
+        quantizer: `inputs` the input indices with a Q/DQ, or for an
+        attention layer the input names that own one. Warns once, naming
+        the shared layers (one input range for all their calls).
+    """
+    projections = set()
+    for layer, _ in walked:
+        row = layer_table.row_for(layer)
+        if row is not None and row.attention and layer.built:
+            projections.update(
+                id(p) for p in _keras.attention_projections(layer) if p
+            )
+    decided, shared = [], []
+    for index, config in sorted(choices.items()):
+        layer, _ = walked[index]
+        row = quantizable_row(layer)
+        count = max(1, len(calls.get(id(layer), ())))
+        if row.attention:
+            inputs = (
+                []
+                if config.quantize_inputs is False or row.inputs == NO_INPUTS
+                else attention_inputs(calls.get(id(layer)))
+            )
+            if not inputs and not config.attention:
+                continue
+        else:
+            inputs = []
+            if id(layer) not in projections:
+                inputs = input_placement(layer, row, config)
+            if not row.weights and not inputs:
+                continue
+            if count > 1 and inputs:
+                shared.append(layer.name)
+        decided.append((index, inputs, count))
+    if shared:
+        warnings.warn(
+            f"Layers called more than once (shared weights): "
+            f"{', '.join(shared)}. Each gets one input Q/DQ whose range "
+            "covers all its calls (one scale for every call); "
+            "`quantization_report` marks them shared.",
+            stacklevel=5,
+        )
+    return decided
