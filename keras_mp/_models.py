@@ -218,12 +218,13 @@ def check_structure(model, expected, what, record):
     )
 
 
-def copy_state(source, target):
+def copy_state(source, target, constraints=True):
     """Copies what `source` saves to `target`, two models of the same
     structure: every layer's own variables and the stateful constraints
     on them (2:4 masks), attached to `target` where missing. The
     quantizers keras_mp attached are left out, so either may be
-    quantized."""
+    quantized. `constraints=False` leaves the constraints out.
+    """
     pairs = [(source, target)] + [
         (a, b)
         for (a, _), (b, _) in zip(walk(source), walk(target), strict=True)
@@ -232,7 +233,8 @@ def copy_state(source, target):
         store = {}
         a.save_own_variables(store)
         b.load_own_variables(store)
-        _copy_constraints(a, b)
+        if constraints:
+            _copy_constraints(a, b)
 
 
 def _copy_constraints(a, b):
@@ -262,7 +264,7 @@ COPY_ADVICE = (
 )
 
 
-def rebuild(model, config, caller, advice=COPY_ADVICE):
+def rebuild(model, config, caller, advice=COPY_ADVICE, constraints=True):
     """`model` rebuilt from `config` (its float config), checked to be the
     same model layer for layer, with `model`'s state (`copy_state`).
 
@@ -275,6 +277,8 @@ def rebuild(model, config, caller, advice=COPY_ADVICE):
         config: its serialized float form.
         caller: str. The public function's name, for the message.
         advice: str. What else to do when it cannot be rebuilt.
+        constraints: bool. Carry the stateful constraints (2:4 masks).
+            Defaults to True.
 
     Raises:
         ValueError: the config does not rebuild `model` (what to do).
@@ -295,16 +299,16 @@ def rebuild(model, config, caller, advice=COPY_ADVICE):
             f"`keras.saving.register_keras_serializable()`), {advice}"
         ) from e
     check_structure(fresh, structure(model), f"`{caller}`", "its copy")
-    copy_state(model, fresh)
+    copy_state(model, fresh, constraints)
     return fresh
 
 
-def copy_model(model, caller, advice=COPY_ADVICE):
+def copy_model(model, caller, advice=COPY_ADVICE, constraints=True):
     """A copy of `model` rebuilt from its config, with its state
     (`rebuild`); quantized layers come back float."""
     with float_classes(model):
         config = keras.saving.serialize_keras_object(model)
-    return rebuild(model, config, caller, advice)
+    return rebuild(model, config, caller, advice, constraints)
 
 
 def symbolic_inputs(model):

@@ -25,7 +25,7 @@ def _wrap(layer, seed, whole):
     float32)."""
     if _holds_weighted_sublayers(layer):
         whole.append(layer.name)
-    copy = _models.copy_through_config(layer, "fixed_point_model")
+    copy = _models.copy_model(layer, "fixed_point_model")
     return FixedPointWrapper(copy, seed=seed, name=f"fixed_point_{layer.name}")
 
 

@@ -161,7 +161,7 @@ def strip_sparsity(model):
         )
     else:
         # Its code rebuilds the layers it holds, without constraints.
-        clone = _models.copy_through_config(model, "strip_sparsity")
+        clone = _models.copy_model(model, "strip_sparsity", constraints=False)
     values = []
     for v in model.weights:
         w = value(v)
