@@ -23,14 +23,20 @@ from keras_mp.quantization.layers import quantizable_row
 
 def fusable_producer(layer):
     """True when TensorRT can fuse `layer`'s output into a following Add:
-    a weighted layer, optionally through BatchNormalization."""
+    a weighted layer with no activation of its own (the Add comes before
+    any activation in the fused kernel), optionally through
+    BatchNormalization. The lint's `_from_quantized_weighted_op` walks the
+    same path in the ONNX graph (BatchNorm, no activation op)."""
     if isinstance(layer, keras.layers.BatchNormalization):
         nodes = _keras.inbound_nodes(layer)
         tensors = nodes[0].input_tensors if nodes else []
         parents = [_keras.producer(t) for t in tensors]
         return any(p is not None and fusable_producer(p) for p in parents)
     row = layer_table.row_for(layer)
-    return row is not None and row.weighted
+    if row is None or not row.weighted:
+        return False
+    activation = getattr(layer, "activation", None)
+    return activation is None or activation is keras.activations.linear
 
 
 def skip_indices(layer):

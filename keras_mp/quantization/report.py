@@ -4,7 +4,7 @@ import keras
 import numpy as np
 
 from keras_mp import _keras, _models, layer_table
-from keras_mp.layer_table import NO_INPUTS
+from keras_mp.layer_table import NO_INPUTS, SKIP_INPUTS
 from keras_mp.quantization import twins
 from keras_mp.quantization.layers import QuantizeActivation, quantizable_row
 from keras_mp.quantization.legacy import check_current
@@ -56,6 +56,11 @@ def _float_note(layer):
         return "not a quantizable type: runs in float"
     if not row.weights and row.inputs == NO_INPUTS:
         return "no Q/DQ needed (TensorRT propagates scales)"
+    if not row.weights and row.inputs == SKIP_INPUTS:
+        return (
+            "residual Add with no input TensorRT fuses from a weighted layer "
+            "without activation: no Q/DQ (quantize_inputs=True forces them)"
+        )
     return "not selected, or skipped by QuantizeConfig"
 
 
