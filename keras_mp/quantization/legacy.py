@@ -30,7 +30,7 @@ from keras_mp.quantization.quantizers import fake_quant
 from keras_mp.quantization.separable import separable_conv
 
 LEGACY_HINT = (
-    "It holds layers saved by an earlier keras_mp ({names}): call "
+    "holds layers saved by an earlier keras_mp ({names}): call "
     "`model = keras_mp.upgrade(model)` first (same outputs, the layers' "
     "own names, the current quantized layers)."
 )
@@ -38,7 +38,10 @@ LEGACY_HINT = (
 
 @keras.saving.register_keras_serializable(package="keras_mp")
 class QuantizeAnnotate(keras.layers.Wrapper):
-    """Marks a layer for `quantize_apply`; computes exactly like the layer.
+    """Load-only: the annotation wrapper of earlier keras_mp files.
+
+    Computes exactly like the layer; `keras_mp.upgrade` turns a model
+    holding it into a float model whose layers carry the annotation.
 
     Args:
         layer: the layer to quantize.
@@ -67,7 +70,11 @@ class QuantizeAnnotate(keras.layers.Wrapper):
 
 @keras.saving.register_keras_serializable(package="keras_mp")
 class QuantizeWrapper(keras.layers.Wrapper):
-    """Fake-quantizes a layer's inputs and weights the way TensorRT wants.
+    """Load-only: the quantize wrapper of earlier keras_mp files.
+
+    Models saved before every model was quantized in place hold it (named
+    `quant_<name>`); it computes what it did, and `keras_mp.upgrade`
+    converts such a model to the current form. What it computes:
 
     Weights: per-channel (or per-tensor) symmetric, narrow range
     [-127, 127], over the weight's output-channel axes (their product for
@@ -355,12 +362,7 @@ def upgrade(model):
     """
     from keras_mp.quantization import inplace, twins
     from keras_mp.quantization.model import QuantizedModel
-    from keras_mp.quantization.recipe import (
-        Recipe,
-        apply_recipe,
-        float_class_name,
-        walk,
-    )
+    from keras_mp.quantization.recipe import Recipe, apply_recipe
 
     _models.check_model(model, "upgrade")
     found = legacy_layers(model)
@@ -379,7 +381,7 @@ def upgrade(model):
             "old layers (`keras_mp.strip_quantization`) and quantize again."
         )
     floats, sources = _unwrapped_copy(model)
-    walked = walk(floats)
+    walked = _models.walk(floats)
     entries = []
     for index, (layer, _) in enumerate(walked):
         source = sources.get(id(layer))
@@ -392,7 +394,7 @@ def upgrade(model):
         entries.append(
             {
                 "index": index,
-                "class_name": float_class_name(layer),
+                "class_name": _models.class_name(layer),
                 "config": config.get_config(),
                 "inputs": list(source.input_indices),
             }
@@ -400,7 +402,7 @@ def upgrade(model):
     if not entries:
         return floats
     recipe = Recipe(
-        tuple(entries), tuple(float_class_name(x) for x, _ in walked)
+        tuple(entries), tuple(_models.class_name(x) for x, _ in walked)
     )
     apply_recipe(floats, recipe)
     for entry in entries:
