@@ -117,15 +117,6 @@ def main():
         default=47,
         help="fine-tune steps per turn when control and QAT alternate",
     )
-    parser.add_argument(
-        "--qat-path",
-        default="graph",
-        choices=("graph", "in-place"),
-        help="how the QAT model is quantized: graph (the layer-graph copy "
-        "with QuantizeWrapper, what quantize_model does for a Functional "
-        "model) or in-place (quantized twins, what it does for subclassed "
-        "and nested models; `quantize_model(copy, in_place=True)`)",
-    )
     parser.add_argument("--timing-rounds", type=int, default=5)
     parser.add_argument("--timing-repeats", type=int, default=7)
     args = parser.parse_args()
@@ -202,12 +193,7 @@ def main():
         (quantized and calibrated with --qat-calibrator), fresh."""
         control = keras.models.clone_model(fmodel)
         control.set_weights(float_weights)
-        if args.qat_path == "in-place":
-            base = keras.models.clone_model(fmodel)
-            base.set_weights(float_weights)
-            qat = keras_mp.quantize_model(base, in_place=True)
-        else:
-            qat = keras_mp.quantize_model(fmodel)
+        qat = keras_mp.quantize_model(fmodel)
         keras_mp.calibrate(
             qat, xc, method=args.qat_calibrator, batch_size=BATCH, verbose=0
         )
@@ -393,7 +379,6 @@ def main():
         "best_ptq_method": best,
         "qat": {
             "start": args.qat_calibrator,
-            "path": args.qat_path,
             "test_top1_mean": round(qat_top1, 2),
             "delta_vs_control_points_mean": round(delta, 2),
             "delta_vs_control_points_sd": round(delta_sd, 2),
@@ -422,10 +407,7 @@ def main():
         "timings": timings,
     }
     md = _markdown(args, results, len(x), steps)
-    name = (
-        "quantization" if args.qat_path == "graph" else "quantization_in_place"
-    )
-    write_results(name, results, md)
+    write_results("quantization", results, md)
 
 
 def interleaved_finetune(control, qat, xf, yf, args, steps):
@@ -482,11 +464,6 @@ def _markdown(args, r, n_train, steps):
     rows.append(
         (
             f"QAT from {q['start']}"
-            + (
-                ", in place (quantized twins)"
-                if q["path"] == "in-place"
-                else ""
-            )
             + f" (+{args.finetune_epochs} ep), mean of "
             f"{len(runs)} seeds",
             f"{q['test_top1_mean']:.2f}",
