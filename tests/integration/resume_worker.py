@@ -228,15 +228,12 @@ def state(model, history=None):
     """Everything a resumed or distributed run must reproduce, as arrays.
 
     Keys: `weight/NNN` (every model weight, in order), `mask/<layer>`,
-    `range/<layer>/<quantizer>`, `loss_scale`, `skipped_steps`,
+    `range/<layer>/<input or weight>`, `loss_scale`, `skipped_steps`,
     `iterations`, `word_length/<layer>`, `precision/<variable>`, and from
     the history `loss` and `precision_history`.
     """
     from keras_mp.muppet.model import fixed_point_layers, precision_state
-    from keras_mp.quantization.layers import (
-        QuantizeWrapper,
-        iter_quantize_layers,
-    )
+    from keras_mp.quantization.twins import quantizers
     from keras_mp.sparsity.model import sparse_layers
 
     out = {}
@@ -245,12 +242,8 @@ def state(model, history=None):
     for layer, _, constraint in sparse_layers(model):
         out[f"mask/{layer.name}"] = _numpy(constraint.mask)
         out[f"kept/{layer.name}"] = _numpy(constraint.kept)
-    for layer in iter_quantize_layers(model):
-        if isinstance(layer, QuantizeWrapper):
-            for q in layer.input_quantizers:
-                out[f"range/{layer.name}/{q.name}"] = _numpy(q.amax)
-            for attr, _, amax in layer.weight_ranges:
-                out[f"range/{layer.name}/{attr}"] = _numpy(amax)
+    for q in quantizers(model):
+        out[f"range/{q.name}"] = _numpy(q.quantizer.amax)
     optimizer = model.optimizer
     out["iterations"] = _numpy(optimizer.iterations)
     if hasattr(optimizer, "dynamic_scale"):

@@ -26,7 +26,8 @@ import tensorflow as tf
 
 import keras_mp
 from keras_mp.muppet.model import fixed_point_layers, precision_state
-from keras_mp.quantization.layers import QuantizeWrapper, iter_quantize_layers
+from keras_mp.quantization import twins
+from keras_mp.quantization.twins import quantizers
 from keras_mp.sparsity.masks import is_2_4_sparse
 from keras_mp.sparsity.model import sparse_layers
 from tests.integration import resume_worker as rw
@@ -141,11 +142,8 @@ def test_qat_ranges_match_single_device_and_agree_across_replicas(
                 mirrored[key], single[key], rtol=1e-4, err_msg=key
             )
     model = runs["sparse_qat", "mirrored"][0]
-    variables = []
-    for layer in iter_quantize_layers(model):
-        if isinstance(layer, QuantizeWrapper):
-            variables += [q.amax for q in layer.input_quantizers]
-            variables += [amax for _, _, amax in layer.weight_ranges]
+    variables = [q.quantizer.amax for q in quantizers(model)]
+    assert variables
     _assert_replicas_equal(mirrored_strategy, variables)
 
 
@@ -175,9 +173,7 @@ def test_calibration_under_mirrored_strategy_matches(mirrored_strategy):
         model, mirrored = calibrated(mirrored_strategy, method)
         assert mirrored == single, method
         amaxes = [
-            q.amax
-            for layer in iter_quantize_layers(model)
-            for q in layer.input_quantizers
+            q.quantizer.amax for q in quantizers(model) if q.weight is None
         ]
         _assert_replicas_equal(mirrored_strategy, amaxes)
         for amax, value in zip(amaxes, single):
@@ -259,7 +255,8 @@ def test_uncalibrated_qat_range_comes_from_the_global_batch(
             )
             model.compile("sgd", "mse")
         model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
-        ranges.append(float(model.layers[0].input_quantizers[0].amax.numpy()))
+        (dense,) = twins.quantized_layers(model)
+        ranges.append(float(dense.input_quantizers[0].amax.numpy()))
     assert ranges[0] == pytest.approx(float(np.abs(x).max()))
     assert ranges[1] == pytest.approx(ranges[0])
 

@@ -20,7 +20,7 @@ import pytest
 
 import keras_mp
 from keras_mp.muppet.model import fixed_point_layers
-from keras_mp.quantization.layers import QuantizeWrapper, iter_quantize_layers
+from keras_mp.quantization.twins import quantizers
 from keras_mp.sparsity.masks import is_2_4_sparse
 from keras_mp.sparsity.model import sparse_layers
 from tests.quantization.conftest import SHAPE, cnn, images
@@ -37,14 +37,7 @@ def _qat_model(x):
 
 
 def _ranges(model):
-    out = {}
-    for layer in iter_quantize_layers(model):
-        if isinstance(layer, QuantizeWrapper):
-            for q in layer.input_quantizers:
-                out[f"{layer.name}/{q.name}"] = q.amax.numpy().copy()
-            for attr, _, amax in layer.weight_ranges:
-                out[f"{layer.name}/{attr}"] = amax.numpy().copy()
-    return out
+    return {q.name: q.quantizer.amax.numpy().copy() for q in quantizers(model)}
 
 
 def test_non_finite_step_is_skipped_leaving_weights_ranges_and_masks():
@@ -226,21 +219,21 @@ def test_loss_scaling_does_not_change_the_measured_diversity():
 
 def test_collapsed_range_is_reported_and_not_exported(tmp_path):
     model = keras_mp.quantize_model(cnn("collapsed"))
-    model.get_layer("quant_conv").layer.bias.assign(np.full(8, 0.5))
+    model.get_layer("conv").bias.assign(np.full(8, 0.5))
     zeros = np.zeros((16,) + SHAPE, "float32")
     report = keras_mp.calibrate(model, zeros, verbose=0)
     # all-zero inputs: the conv's input range collapses; its bias keeps the
     # head's input alive
-    assert report.collapsed == ["quant_conv/input_0"]
-    assert "quant_conv/input_0: range collapsed to 0" in str(report)
+    assert report.collapsed == ["conv/input_0"]
+    assert "conv/input_0: range collapsed to 0" in str(report)
     notes = {
         r["layer"]: r["note"]
         for r in keras_mp.quantization_report(model, verbose=False)
     }
-    assert "uncalibrated input range (0)" in notes["quant_conv"]
+    assert "uncalibrated input range (0)" in notes["conv"]
     path = tmp_path / "collapsed.onnx"
     with pytest.raises(
-        keras_mp.ExportError, match="collapsed, amax 0.*quant_conv/input_0"
+        keras_mp.ExportError, match="collapsed, amax 0.* conv/input_0"
     ):
         keras_mp.export_onnx(model, path)
     assert not path.exists()
@@ -249,19 +242,19 @@ def test_collapsed_range_is_reported_and_not_exported(tmp_path):
 def test_non_finite_range_is_reported_not_exported(tmp_path):
     model = keras_mp.quantize_model(cnn("nan_range"))
     keras_mp.calibrate(model, images(), verbose=0)
-    model.get_layer("quant_head").input_quantizers[0].amax.assign(np.nan)
+    model.get_layer("head").input_quantizers[0].amax.assign(np.nan)
     path = tmp_path / "nan.onnx"
-    with pytest.raises(keras_mp.ExportError, match="quant_head/input_0"):
+    with pytest.raises(keras_mp.ExportError, match=" head/input_0"):
         keras_mp.export_onnx(model, path)
     assert not path.exists()
 
 
 def test_all_zero_weight_channel_exports_with_a_positive_scale(tmp_path):
     model = keras_mp.quantize_model(cnn("pruned_channel"))
-    head = model.get_layer("quant_head")
-    kernel = head.layer.kernel.numpy()
+    head = model.get_layer("head")
+    kernel = head.kernel.numpy()
     kernel[:, 2] = 0.0  # a fully pruned output channel
-    head.layer.kernel.assign(kernel)
+    head.kernel.assign(kernel)
     keras_mp.calibrate(model, images(), verbose=0)
     path = tmp_path / "pruned.onnx"
     keras_mp.export_onnx(model, path, verify_data=images(64, seed=1))
@@ -469,8 +462,9 @@ def test_quantized_sparse_loss_scaled_model_loads_in_safe_mode(tmp_path):
         callbacks=[keras_mp.StructuredSparsity()],
     )
     loaded, config = _assert_safe_round_trip(model, tmp_path / "deploy.keras")
-    for name in ("QuantizeWrapper", "SparsityMask", "LossScaleOptimizer"):
+    for name in ("QuantizedModel", "SparsityMask", "LossScaleOptimizer"):
         assert f'"registered_name": "keras_mp>{name}"' in config, name
+    assert "QuantizeWrapper" not in config  # load-only: never saved
     np.testing.assert_array_equal(
         loaded.predict(x, verbose=0), model.predict(x, verbose=0)
     )

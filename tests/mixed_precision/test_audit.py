@@ -2,6 +2,7 @@ import keras
 import pytest
 
 import keras_mp
+from keras_mp.quantization import twins
 from tests.conftest import small_cnn
 
 
@@ -59,9 +60,17 @@ def test_audit_lists_a_quantize_wrapper_as_one_row():
     qmodel = keras_mp.quantize_model(small_cnn())
     report = keras_mp.mixed_precision_audit(qmodel, verbose=False)
     names = [r.name for r in report.layers]
-    assert len(names) == len(set(names)) == len(qmodel.layers)
-    wrapped = [r for r in report.layers if r.class_name == "QuantizeWrapper"]
-    assert wrapped and all(r.name.startswith("quant_") for r in wrapped)
+    # One row per layer of the float model: a quantized layer's quantizers
+    # are not rows of their own, and it keeps its float name.
+    assert len(names) == len(set(names)) == len(qmodel.model.layers)
+    quantized = {
+        r.name.split("/")[-1]
+        for r in report.layers
+        if r.class_name.startswith("Quantized")
+    }
+    assert quantized and quantized == {
+        layer.name for layer in twins.quantized_layers(qmodel)
+    }
 
 
 def test_nested_layers_by_path_and_no_quantizer_rows():

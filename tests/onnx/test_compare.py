@@ -8,7 +8,7 @@ import pytest
 from onnx import numpy_helper
 
 import keras_mp
-from keras_mp.quantization.layers import QuantizeWrapper
+from keras_mp.quantization import twins
 from tests.conftest import Subclassed, small_cnn
 
 
@@ -42,18 +42,33 @@ def test_clean_export_matches_every_layer_within_one_step(exported):
     qmodel, path, x = exported
     report = keras_mp.compare_onnx(qmodel, path, x)
     assert report.samples == 32
-    assert [r.name for r in report.rows] == [
-        layer.name for layer in qmodel.layers
-    ]
-    quantized = [r for r in report.rows if r.kind.startswith("Quantize")]
-    assert len(quantized) == sum(
-        isinstance(layer, QuantizeWrapper) for layer in qmodel.layers
-    )
-    assert all(r.steps is not None and r.steps <= 1.0 for r in quantized)
+    assert [r.name for r in report.rows] == _rows(qmodel)
+    # one row per input Q/DQ, judged in steps; one per quantized layer
+    qdqs = [r for r in report.rows if r.kind == "QuantizeActivation"]
+    assert len(qdqs) == len(keras_mp.quantization.activation_quantizers(qmodel))
+    assert all(r.steps is not None and r.steps <= 1.0 for r in qdqs)
+    quantized = [r for r in report.rows if r.kind.startswith("Quantized")]
+    assert len(quantized) == len(twins.quantized_layers(qmodel)) > 0
     assert max(r.rel_l2 for r in report.rows) < 1e-5
     assert report.first_divergence is None
     assert "no layer diverges" in str(report)
     assert report.to_markdown().count("\n") == len(report.rows) + 1
+
+
+def _rows(qmodel):
+    """The row names of a `QuantizedModel` of a Sequential model: each
+    layer by its path from the float model, a quantized layer's input
+    Q/DQs just before it, the float model last."""
+    inner = qmodel.model
+    names = []
+    for layer in inner.layers:
+        if twins.is_quantized(layer):
+            names += [
+                f"{inner.name}/{layer.name}/{q.name}"
+                for q in layer.input_quantizers
+            ]
+        names.append(f"{inner.name}/{layer.name}")
+    return names + [inner.name]
 
 
 def test_broken_weight_is_found_at_its_layer(exported, tmp_path):
@@ -61,17 +76,19 @@ def test_broken_weight_is_found_at_its_layer(exported, tmp_path):
     bad = break_second_conv(path, str(tmp_path / "bad.onnx"))
     report = keras_mp.compare_onnx(qmodel, bad, x, samples=8)
     second_conv = [
-        layer.name
-        for layer in qmodel.layers
-        if isinstance(layer, QuantizeWrapper)
-        and isinstance(layer.layer, keras.layers.Conv2D)
+        f"{qmodel.model.name}/{layer.name}"
+        for layer in twins.quantized_layers(qmodel)
+        if isinstance(layer, keras.layers.Conv2D)
     ][1]
     assert report.samples == 8
     assert report.first_divergence.name == second_conv
     before = report.rows[: report.first_divergence.depth]
     assert not any(r.diverged for r in before)
-    # the damage reaches the next Q/DQ as many quantization steps
-    assert report.rows[-1].steps > 1.0
+    # the damage reaches the next Q/DQ (the Dense head's input) as many
+    # quantization steps
+    qdqs = [r for r in report.rows if r.kind == "QuantizeActivation"]
+    assert qdqs[-1].depth > report.first_divergence.depth
+    assert qdqs[-1].steps > 1.0
     assert f"first divergence at layer {second_conv!r}" in str(report)
 
 
@@ -112,15 +129,26 @@ def test_functional_residual_depthwise_model(tmp_path):
     path = str(tmp_path / "ref.onnx")
     keras_mp.export_onnx(qmodel, path)
     report = keras_mp.compare_onnx(qmodel, path, x)
-    assert report.unmatched == []
-    assert len(report.rows) == len(qmodel.layers) - 1  # all but the input
+    # res_a's input Q/DQ can be merged by tf2onnx with the one of the
+    # residual Add it shares its input with, under one of the two layers'
+    # names or another layer's (which depends on tf2onnx's node order):
+    # those left without one are listed as unmatched, with the reason
+    inner = qmodel.model.name
+    shared = {f"{inner}/{n}/{n}_input_0" for n in ("res_a", "res_add")}
+    assert all(
+        name in shared and "no ONNX node carries its name" in why
+        for name, why in report.unmatched
+    )
+    qdqs = keras_mp.quantization.activation_quantizers(qmodel)
+    # every layer but the input, every input Q/DQ and the float model
+    assert len(report.rows) + len(report.unmatched) == (
+        len(qmodel.model.layers) - 1 + len(qdqs) + 1
+    )
     weighted = [r for r in report.rows if "Conv" in r.kind or "Dense" in r.kind]
     assert len(weighted) == 8
-    # quant_res_a's input Q/DQ can be merged by tf2onnx with the one of the
-    # residual branch it shares its input with, under another layer's name
-    # (which one depends on tf2onnx's node order): then it has no step count
-    stepped = [r for r in weighted if r.steps is not None]
-    assert len(stepped) >= 7 and all(r.steps <= 1 for r in stepped)
+    stepped = [r for r in report.rows if r.kind == "QuantizeActivation"]
+    assert len(stepped) >= len(qdqs) - 2 >= 7
+    assert all(r.steps is not None and r.steps <= 1 for r in stepped)
     assert report.first_divergence is None
 
 

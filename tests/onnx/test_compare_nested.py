@@ -78,7 +78,7 @@ def test_vit_inner_layers_are_compared_one_by_one(vit_export):
     assert len(qdqs) == 17 and all(r.steps is not None for r in qdqs)
     assert len(qdqs) == sum(
         isinstance(layer, keras_mp.QuantizeActivation)
-        for layer in _models.walk_layers(qmodel)
+        for layer in _models.walk_layers(qmodel, owned=True)
     )
     assert max(r.steps for r in qdqs) <= 1
     assert max(r.rel_l2 for r in report.rows) < 1e-5

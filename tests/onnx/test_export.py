@@ -9,6 +9,7 @@ import onnx
 import pytest
 
 import keras_mp
+from keras_mp.quantization import twins
 from keras_mp.reference import reference_cnn
 from tests.conftest import Subclassed, small_cnn, tf_keras_like
 
@@ -87,14 +88,10 @@ def test_export_lint_clean_and_parity(name, make, shape, weighted, tmp_path):
         qmodel, path, verify_data=x, min_top1_agreement=min_top1
     )
     assert parity.top1_agreement >= min_top1 and parity.rel_l2 <= 0.01
-    n_weighted = sum(
-        isinstance(w, keras_mp.QuantizeWrapper) and bool(w.weight_ranges)
-        for w in qmodel.layers
-    )
+    quantized = twins.quantized_layers(qmodel)
+    n_weighted = sum(bool(w.weight_ranges) for w in quantized)
     n_weighted += sum(
-        isinstance(w, keras_mp.QuantizeWrapper)
-        and isinstance(w.layer, keras.layers.SeparableConv2D)
-        for w in qmodel.layers
+        isinstance(w, keras.layers.SeparableConv2D) for w in quantized
     )
     _check_artifact(path, weighted or n_weighted)
 
@@ -125,7 +122,7 @@ def test_bad_exports_leave_nothing_half_written(tmp_path):
     path = tmp_path / "q.onnx"
     with pytest.raises(
         keras_mp.ExportError,
-        match=r"Uncalibrated.*quant_conv2d(_\d+)?/input_0.*keras_mp.calibrate",
+        match=r"Uncalibrated.* in conv2d(_\d+)?/input_0.*keras_mp.calibrate",
     ):
         keras_mp.export_onnx(qmodel, path)
     assert not path.exists()
@@ -172,9 +169,8 @@ def test_strip_quantization_gives_the_float_model():
     x = np.random.default_rng(0).random((4, 28, 28, 1), dtype=np.float32)
     model = small_cnn()
     stripped = keras_mp.strip_quantization(_quantized(model, x))
-    assert not any(
-        isinstance(w, keras_mp.QuantizeWrapper) for w in stripped.layers
-    )
+    assert not any(twins.is_quantized(w) for w in stripped.layers)
+    assert twins.quantizers(stripped) == []  # none at any depth
     np.testing.assert_allclose(stripped(x), model(x), atol=1e-6)
 
 
@@ -198,8 +194,8 @@ def test_sparse_then_qat_keeps_2_4_through_export(tmp_path):
     qmodel.fit(
         x, y, epochs=2, verbose=0, callbacks=[keras_mp.StructuredSparsity()]
     )
-    for name in ("quant_conv", "quant_fc"):
-        kernel = qmodel.get_layer(name).layer.kernel.numpy()
+    for name in ("conv", "fc"):
+        kernel = qmodel.get_layer(name).kernel.numpy()
         axis = 0 if kernel.ndim == 2 else -2
         assert keras_mp.is_2_4_sparse(kernel, axis), name
     path = tmp_path / "sparse.onnx"

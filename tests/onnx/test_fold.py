@@ -10,6 +10,7 @@ import pytest
 
 import keras_mp
 from keras_mp.onnx.graph import GraphIndex
+from keras_mp.quantization import twins
 
 L = keras.layers
 pytest.importorskip("tf2onnx")
@@ -65,11 +66,11 @@ def _tie_weights(shape, channels, rng):
 
 
 def _keras_codes(layer):
-    """The INT8 codes of a QuantizeWrapper's kernel from its own fake
+    """The INT8 codes of a quantized layer's kernel from its own fake
     quantization, its float kernel and the ONNX scale, one column per
     output channel."""
     amax_var = layer.weight_ranges[0][2]
-    kernel, fake = layer._quantized_weights(training=False)[0]
+    kernel, fake = layer._weight_mapping()[0]
     scale = (np.asarray(amax_var) / np.float32(127)).astype(np.float32)
     flat = (-1, scale.size)  # the output axes are the trailing ones
     fake = np.asarray(fake).reshape(flat)
@@ -99,7 +100,7 @@ def test_fold_matches_keras_codes_at_ties(tmp_path):
     assert report.rel_l2 < 1e-5, report
 
     index = GraphIndex(onnx.load(path))
-    quantized = [layer for layer in qmodel.layers if hasattr(layer, "layer")]
+    quantized = twins.quantized_layers(qmodel)
     assert len(quantized) == 7
     for layer in quantized:
         want, w, scale = _keras_codes(layer)

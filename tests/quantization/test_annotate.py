@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import keras_mp
+from keras_mp.quantization import twins
 from keras_mp.reference import reference_cnn
 from tests.conftest import Subclassed, tf_keras_like
 from tests.quantization.conftest import cnn
@@ -26,8 +27,8 @@ def _normalized_model():
 def test_apply_carries_state_and_disabled_equals_float():
     model = _normalized_model()
     qmodel = keras_mp.quantize_model(model)
-    wrapped = list(qmodel.get_layer("inner").layers)
-    assert isinstance(wrapped[0], keras_mp.QuantizeWrapper)  # nested model
+    inner = list(qmodel.get_layer("inner").layers)
+    assert twins.is_quantized(inner[0])  # nested model
     x = np.random.default_rng(1).random((4, 28, 28, 1), dtype=np.float32)
     keras_mp.set_quantization_enabled(qmodel, False)
     np.testing.assert_array_equal(qmodel(x), model(x))
@@ -38,7 +39,8 @@ def test_apply_carries_state_and_disabled_equals_float():
 
 def test_residual_add_quantizes_only_the_skip_input():
     qmodel = keras_mp.quantize_model(reference_cnn(width=8))
-    add = qmodel.get_layer("quant_res_add")
+    add = qmodel.get_layer("res_add")
+    assert twins.is_quantized(add)
     assert add.input_indices == [0]  # input 1 comes from conv -> BN: fused
 
 
@@ -51,23 +53,20 @@ def test_concatenate_leaves_its_inputs_to_the_consumer_unless_asked():
     x = L.Concatenate(name="cat")([a, b])
     cat = keras.Model(concat_in, L.Conv2D(4, 1, name="head")(x))
     qcat = keras_mp.quantize_model(cat)
-    assert "cat" in [layer.name for layer in qcat.layers]  # not wrapped
-    assert qcat.get_layer("quant_head").input_indices == [0]
+    assert not twins.is_quantized(qcat.get_layer("cat"))  # not quantized
+    assert qcat.get_layer("head").input_indices == [0]
     asked = keras_mp.quantize_model(
         cat, config={"cat": keras_mp.QuantizeConfig(quantize_inputs=True)}
     )
-    assert asked.get_layer("quant_cat").input_indices == [0, 1]
+    assert twins.is_quantized(asked.get_layer("cat"))
+    assert asked.get_layer("cat").input_indices == [0, 1]
 
 
 def test_selection_and_config():
     model = reference_cnn(width=8)
     q = keras_mp.quantize_model(model, layers=["stem", L.Dense])
-    names = {
-        layer.name
-        for layer in q.layers
-        if isinstance(layer, keras_mp.QuantizeWrapper)
-    }
-    assert names == {"quant_stem", "quant_fc", "quant_logits"}
+    names = {layer.name for layer in twins.quantized_layers(q)}
+    assert names == {"stem", "fc", "logits"}
     q = keras_mp.quantize_model(
         model,
         config={
@@ -75,8 +74,8 @@ def test_selection_and_config():
             "fc": keras_mp.QuantizeConfig(per_channel=False),
         },
     )
-    assert "logits" in [layer.name for layer in q.layers]
-    assert q.get_layer("quant_fc").weight_ranges[0][2].shape == ()
+    assert not twins.is_quantized(q.get_layer("logits"))
+    assert q.get_layer("fc").weight_ranges[0][2].shape == ()
 
 
 def test_annotate_layer_then_apply():
@@ -88,12 +87,8 @@ def test_annotate_layer_then_apply():
         ]
     )
     qmodel = keras_mp.quantize_apply(model)
-    wrapped = [
-        layer.name
-        for layer in qmodel.layers
-        if isinstance(layer, keras_mp.QuantizeWrapper)
-    ]
-    assert wrapped == ["quant_fc"]
+    quantized = [layer.name for layer in twins.quantized_layers(qmodel)]
+    assert quantized == ["fc"]
 
 
 def _built(model):
@@ -142,7 +137,7 @@ def _flat_model():
         (
             lambda: keras_mp.quantize_model(cnn(), layers="dense_.*"),
             ValueError,
-            r"matches layers='dense_\.\*'",
+            r"is named \(or matches\) 'dense_\.\*'",
         ),
         (
             lambda: keras_mp.quantize_model(cnn(), layers=3),

@@ -18,7 +18,7 @@ def test_calibrate_reports_every_quantizer(digits):
         qmodel, x[:256], method="max", batch_size=64, verbose=0
     )
     assert report.batches == 4 and report.samples == 256
-    first = f"{qmodel.layers[0].name}/input_0"
+    first = f"{qmodel.model.layers[0].name}/input_0"
     assert report.ranges[first] == pytest.approx(float(x[:256].max()))
     assert report.ranges == report.observed_max  # max: nothing clipped
     for name, amax in report.ranges.items():
@@ -95,7 +95,7 @@ def _inf_in_second_batch(model):
 
 def _nan_inside(model):
     model = keras_mp.quantize_model(cnn("nan_inside"))
-    conv = model.get_layer("quant_conv").layer
+    conv = model.get_layer("conv")
     conv.kernel.assign(np.full(conv.kernel.shape, np.nan, "float32"))
     keras_mp.calibrate(model, images(), verbose=0)
 
@@ -154,7 +154,7 @@ BAD = {
     "calibrate_nan_inside_model": (
         _nan_inside,
         ValueError,
-        r"non-finite value\(s\) at the input of 'quant_head/input_0' "
+        r"non-finite value\(s\) at the input of 'head/input_0' "
         r"\(batch 0\)",
     ),
     "calibrate_path_instead_of_data": (

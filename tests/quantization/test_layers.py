@@ -1,4 +1,5 @@
-"""The quantize wrapper and the activation Q/DQ layer, per layer type."""
+"""The quantized layers (twins) and the activation Q/DQ layer, per layer
+type."""
 
 import keras
 import numpy as np
@@ -6,7 +7,7 @@ import pytest
 import tensorflow as tf
 
 import keras_mp
-from keras_mp.quantization import strip_quantization
+from keras_mp.quantization import strip_quantization, twins
 from keras_mp.reference import compile_classifier
 from tests.conftest import small_cnn
 from tests.quantization.conftest import cnn, images
@@ -49,16 +50,16 @@ def test_layer_conformance(name, make, shape, tmp_path):
     model = keras.Model(inputs, make()(inputs))
     x = np.random.default_rng(0).standard_normal((4,) + shape).astype("float32")
     qmodel = keras_mp.quantize_model(model)
-    wrapper = qmodel.layers[1]
-    assert isinstance(wrapper, keras_mp.QuantizeWrapper)
+    layer = qmodel.get_layer(model.layers[1].name)
+    assert twins.is_quantized(layer)
     keras_mp.calibrate(qmodel, x, verbose=0)
     want, got = model(x), qmodel(x)
     assert got.shape == want.shape
     rel = np.linalg.norm(got - want) / np.linalg.norm(want)
     assert 0 < rel < 0.05, rel  # quantized: close, not identical
     # per-channel weight ranges: one per output channel, each max|w|
-    for attr, axes, amax in wrapper.weight_ranges:
-        kernel = getattr(wrapper.layer, attr).numpy()
+    for attr, axes, amax in layer.weight_ranges:
+        kernel = getattr(layer, attr).numpy()
         assert amax.shape == (_output_channels(kernel, axes),)
         flat = np.moveaxis(kernel, axes, range(-len(axes), 0))
         flat = flat.reshape(-1, amax.shape[0])
@@ -95,9 +96,11 @@ def test_per_tensor_config_gives_one_weight_range():
     qmodel = keras_mp.quantize_model(
         model, config=keras_mp.QuantizeConfig(per_channel=False)
     )
-    ((_, axes, amax),) = qmodel.layers[0].weight_ranges
+    layer = qmodel.get_layer(model.layers[0].name)
+    assert twins.is_quantized(layer)
+    ((_, axes, amax),) = layer.weight_ranges
     assert axes == () and amax.shape == ()
-    kernel = qmodel.layers[0].layer.kernel.numpy()
+    kernel = layer.kernel.numpy()
     assert float(amax.numpy()) == np.abs(kernel).max()
 
 
@@ -108,7 +111,12 @@ def test_mixed_precision_qat_trains_under_xla():
     x = np.random.default_rng(0).random((32, 28, 28, 1), dtype=np.float32)
     y = np.arange(32) % 10
     keras_mp.calibrate(qmodel, x, verbose=0)
-    assert qmodel.layers[1].compute_dtype == "float16"
+    convs = [
+        layer
+        for layer in twins.quantized_layers(qmodel)
+        if isinstance(layer, L.Conv2D)
+    ]
+    assert convs and all(layer.compute_dtype == "float16" for layer in convs)
     compile_classifier(qmodel, jit_compile=True)
     history = qmodel.fit(x, y, epochs=3, batch_size=16, verbose=0)
     assert np.isfinite(history.history["loss"]).all()
@@ -136,13 +144,13 @@ def test_disabled_quantization_computes_the_float_model(quantized):
     assert not np.array_equal(quantized.predict(x, verbose=0), model(x))
 
 
-def test_wrapper_rejects_an_unsupported_type():
+def test_an_unsupported_type_is_rejected():
     with pytest.raises(
         ValueError,
         match="'lstm' of type LSTM cannot be quantized. Supported types: "
         "Add, AveragePooling2D, Concatenate, Conv1D.*QuantizeConfig",
     ):
-        keras_mp.QuantizeWrapper(L.LSTM(4, name="lstm"))
+        keras_mp.quantize_annotate_layer(L.LSTM(4, name="lstm"))
 
 
 def test_activation_rejects_zero_bits():
@@ -155,18 +163,42 @@ def test_set_quantization_enabled_needs_a_model():
         keras_mp.set_quantization_enabled("model.keras", False)
 
 
-def test_separable_conv_quantizes_the_pointwise_input():
+def test_separable_conv_quantizes_the_pointwise_input(tmp_path):
     model = keras.Sequential([keras.Input((8, 8, 4)), L.SeparableConv2D(8, 3)])
     qmodel = keras_mp.quantize_model(model)
-    report = keras_mp.calibrate(qmodel, images(8), verbose=0)
-    wrapper = qmodel.layers[0]
-    assert f"{wrapper.name}/pointwise_input" in report.ranges
-    assert wrapper.inner_quantizers[0].amax.numpy() > 0
-    config = keras.saving.serialize_keras_object(wrapper)
-    assert config["config"]["pointwise_input"] is True
-    # a wrapper saved before the pointwise Q/DQ existed loads without it
-    del config["config"]["pointwise_input"]
+    x = images(8)
+    report = keras_mp.calibrate(qmodel, x, verbose=0)
+    layer = qmodel.get_layer(model.layers[0].name)
+    assert twins.is_quantized(layer)
+    assert f"{layer.name}/pointwise_input" in report.ranges
+    amax = layer.inner_quantizers[0].amax.numpy()
+    assert amax > 0
+    # the pointwise Q/DQ and its range are saved
+    qmodel.save(tmp_path / "q.keras")
+    loaded = keras.saving.load_model(tmp_path / "q.keras", safe_mode=True)
+    (pointwise,) = loaded.get_layer(layer.name).inner_quantizers
+    np.testing.assert_array_equal(pointwise.amax.numpy(), amax)
+    np.testing.assert_array_equal(loaded(x), qmodel(x))
+
+
+def test_legacy_separable_wrapper_saved_before_pointwise_loads_without_it():
+    # A (load-only) QuantizeWrapper saved before the pointwise Q/DQ existed
+    # has no `pointwise_input` in its config: it loads without one.
+    config = {
+        "module": "keras_mp.quantization.legacy",
+        "class_name": "QuantizeWrapper",
+        "registered_name": "keras_mp>QuantizeWrapper",
+        "config": {
+            "name": "quant_sep",
+            "layer": keras.saving.serialize_keras_object(
+                L.SeparableConv2D(8, 3, name="sep")
+            ),
+            "config": keras_mp.QuantizeConfig().get_config(),
+            "input_indices": [0],
+        },
+    }
     old = keras.saving.deserialize_keras_object(config)
+    assert isinstance(old, keras_mp.QuantizeWrapper)
     assert not old.pointwise_input
 
 
@@ -177,8 +209,10 @@ def test_grouped_conv_quantizes_per_output_channel():
     qmodel = keras_mp.quantize_model(model)
     x = images(16)
     keras_mp.calibrate(qmodel, x, verbose=0)
-    ((_, axes, amax),) = qmodel.layers[0].weight_ranges
-    kernel = qmodel.layers[0].layer.kernel.numpy()  # (3, 3, 4 / 2, 8)
+    layer = qmodel.get_layer(model.layers[0].name)
+    assert twins.is_quantized(layer)
+    ((_, axes, amax),) = layer.weight_ranges
+    kernel = layer.kernel.numpy()  # (3, 3, 4 / 2, 8)
     assert axes == (-1,) and amax.shape == (8,)
     np.testing.assert_allclose(amax.numpy(), np.abs(kernel).max((0, 1, 2)))
     qmodel.compile(keras.optimizers.SGD(1e-2), "mse", jit_compile=True)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import keras_mp
-from keras_mp.quantization import strip_quantization
+from keras_mp.quantization import strip_quantization, twins
 from tests.quantization.conftest import cnn, images
 
 
@@ -15,11 +15,11 @@ def test_strip_gives_the_float_model_with_trained_weights(quantized):
     quantized.fit(x, np.ones((8, 4)), epochs=1, verbose=0)  # QAT step
     stripped = strip_quantization(quantized)
     assert not any(
-        isinstance(
-            layer, (keras_mp.QuantizeWrapper, keras_mp.QuantizeActivation)
-        )
+        twins.is_quantized(layer)
+        or isinstance(layer, keras_mp.QuantizeActivation)
         for layer in stripped.layers
     )
+    assert twins.quantizers(stripped) == []  # none at any depth
     assert [type(layer) for layer in stripped.layers] == [
         type(layer) for layer in cnn().layers
     ]
