@@ -49,6 +49,31 @@ def digits():
 
 
 @pytest.fixture(scope="session")
+def zoo_measured(tmp_path_factory):
+    """`benchmarks.bench_zoo.measure` of a zoo model, once per session: the
+    fast zoo tests (tests/onnx/test_zoo.py) and the golden placement test
+    (tests/integration/test_golden_placement.py) share each measurement.
+
+    Returns a function of the model name giving its row, plus `int8_onnx`:
+    the path of the INT8 ONNX `measure` wrote, None when that stage failed.
+    """
+    from benchmarks.bench_zoo import measure
+
+    rows = {}
+
+    def get(name):
+        if name not in rows:
+            directory = tmp_path_factory.mktemp(name)
+            row = measure(name, str(directory))
+            path = directory / f"{name}_int8.onnx"  # where `measure` puts it
+            ok = row["int8_error"] is None and path.exists()
+            rows[name] = {**row, "int8_onnx": str(path) if ok else None}
+        return rows[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def mirrored_strategy():
     """One strategy per process: several MirroredStrategy objects in one
     process make their collective ops collide (TF InvalidArgumentError)."""

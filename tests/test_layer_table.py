@@ -221,14 +221,21 @@ def _with_known_gaps(classes):
     ]
 
 
+def quantize_sample(cls, model):
+    """`quantize_model` of `cls`'s sample model, as the conformance test
+    quantizes it (also used by tests/integration/test_golden_placement.py).
+    """
+    config = None
+    if ROWS[cls].inputs == layer_table.NO_INPUTS:  # pooling: on request only
+        config = {"sample": keras_mp.QuantizeConfig(quantize_inputs=True)}
+    return keras_mp.quantize_model(model, config=config)
+
+
 @pytest.mark.parametrize("cls", _with_known_gaps(QUANTIZABLE))
 def test_quantizable_row_exports_lint_clean(cls, tmp_path):
     model, x = _build(cls)
     row = ROWS[cls]
-    config = None
-    if row.inputs == layer_table.NO_INPUTS:  # pooling: on request only
-        config = {"sample": keras_mp.QuantizeConfig(quantize_inputs=True)}
-    qmodel = keras_mp.quantize_model(model, config=config)
+    qmodel = quantize_sample(cls, model)
     assert twins.is_quantized(qmodel.get_layer("sample"))
     keras_mp.calibrate(qmodel, x, verbose=0)
     path = str(tmp_path / "model.onnx")

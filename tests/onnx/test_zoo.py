@@ -4,7 +4,9 @@ behind Q/DQ.
 
 The zoo and its measurement live in `benchmarks/bench_zoo.py`, which
 writes the table in `docs/benchmarks.md`; a fast subset runs in
-`make test`, the whole zoo is marked slow. The keras-hub rows need
+`make test`, the whole zoo is marked slow. The fast subset is measured
+once per session (`zoo_measured` in tests/conftest.py), for its float and
+INT8 tests here and the golden placement test. The keras-hub rows need
 keras-hub: without it they fail with the install command.
 """
 
@@ -66,27 +68,14 @@ def _params(names, failures):
     return out
 
 
-@pytest.fixture(scope="module")
-def measured(tmp_path_factory):
-    """`measure` of a fast-subset model, once for its float and INT8 tests."""
-    rows = {}
-
-    def get(name):
-        if name not in rows:
-            rows[name] = measure(name, str(tmp_path_factory.mktemp(name)))
-        return rows[name]
-
-    return get
-
-
 @pytest.mark.parametrize("name", QUICK)
-def test_zoo_fast_subset_float_export(name, measured):
-    _check_float(measured(name))
+def test_zoo_fast_subset_float_export(name, zoo_measured):
+    _check_float(zoo_measured(name))
 
 
 @pytest.mark.parametrize("name", _params(QUICK, KNOWN_INT8_FAILURES))
-def test_zoo_fast_subset_int8_export(name, measured):
-    _check_int8(measured(name))
+def test_zoo_fast_subset_int8_export(name, zoo_measured):
+    _check_int8(zoo_measured(name))
 
 
 @pytest.mark.slow
