@@ -234,7 +234,6 @@ def quantize_sample(cls, model):
 @pytest.mark.parametrize("cls", _with_known_gaps(QUANTIZABLE))
 def test_quantizable_row_exports_lint_clean(cls, tmp_path):
     model, x = _build(cls)
-    row = ROWS[cls]
     qmodel = quantize_sample(cls, model)
     assert twins.is_quantized(qmodel.get_layer("sample"))
     keras_mp.calibrate(qmodel, x, verbose=0)
