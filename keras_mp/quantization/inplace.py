@@ -3,8 +3,8 @@
 The model is copied once through its config (or, with `in_place=True`,
 taken as it is), the selected layers become their quantized twins where
 they are (`twins.py`), keeping their names, by a recipe (`recipe.py`, with
-the placement of `placement.py`), and the result is a `QuantizedModel`
-(`model.py`) that saves that recipe.
+the placement of `placement.py`), and the result is a `keras_mp.RecordedModel`
+(`_models.py`), whose record holds the quantized layers (`model.py`).
 """
 
 import warnings
@@ -14,7 +14,6 @@ import keras
 from keras_mp import _keras, _models, layer_table
 from keras_mp.quantization.config import QuantizeConfig
 from keras_mp.quantization.layers import quantizable_row
-from keras_mp.quantization.model import QuantizedModel
 from keras_mp.quantization.recipe import apply_recipe, make_recipe
 from keras_mp.selection import layer_matcher
 
@@ -155,7 +154,7 @@ def quantize_in_place(
     """Quantizes `model` (a copy of it, unless `in_place`) in place.
 
     Returns:
-        A `QuantizedModel`.
+        A `keras_mp.RecordedModel`.
     """
     caller = "quantize_apply" if annotated else "quantize_model"
     choices = choose(model, layers, config, annotated)
@@ -174,7 +173,7 @@ def quantize_in_place(
     if not recipe.entries:
         raise _nothing_to_quantize(model, layers)
     apply_recipe(target, recipe)
-    qmodel = QuantizedModel(target, recipe, name=model.name)
+    qmodel = _models.RecordedModel(target, name=model.name)
     if in_place:
         _warn_if_unsaveable(qmodel)
     return qmodel
