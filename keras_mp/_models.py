@@ -498,8 +498,11 @@ class RecordedModel(keras.Model):
         super().__init__(inputs=inputs, outputs=model(inputs), **kwargs)
         self._rebuilt_config = None
         # The inner model's output names (its output layers'), so `loss`
-        # and `metrics` dicts and exported outputs are keyed as for it.
-        names = getattr(model, "output_names", None)
+        # and `metrics` dicts and exported outputs are keyed as for it (a
+        # Sequential model keeps them on the Functional model it builds).
+        names = getattr(model, "output_names", None) or getattr(
+            getattr(model, "_functional", None), "output_names", None
+        )
         if names and len(names) == len(self.output_names):
             self.output_names = list(names)
 

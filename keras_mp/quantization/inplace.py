@@ -128,10 +128,28 @@ def choose(model, layers=None, config=None, annotated=False):
 
 
 def _nothing_to_quantize(model, layers):
+    """The ValueError when no layer was selected, naming the layers that
+    `layers` did match (e.g. an LSTM, whose cell holds no quantizable
+    layer)."""
+    matched = ""
+    if layers is not None:
+        match = layer_matcher(layers)
+        found = [
+            f"{layer.name} ({type(layer).__name__})"
+            for layer, _ in _models.walk(model)
+            if match(layer) and not isinstance(layer, keras.layers.InputLayer)
+        ]
+        if found:
+            shown = ", ".join(found[:8]) + (", ..." if len(found) > 8 else "")
+            matched = (
+                f" It matches {shown}: neither these types nor any layer "
+                "inside them can be quantized."
+            )
     return ValueError(
         f"No quantizable layer in model {model.name!r} matches "
-        f"layers={layers!r}. Supported types: "
-        f"{', '.join(layer_table.quantizable_names())}."
+        f"layers={layers!r}.{matched} Supported types: "
+        f"{', '.join(layer_table.quantizable_names())}. Nothing was "
+        "quantized."
     )
 
 

@@ -376,8 +376,11 @@ def upgrade(model):
         raise ValueError(
             f"`upgrade`: model {model.name!r} holds both layers of an earlier "
             "keras_mp (QuantizeWrapper/QuantizeAnnotate) and layers quantized "
-            "the current way; keras_mp never builds such a model. Strip the "
-            "old layers (`keras_mp.strip_quantization`) and quantize again."
+            "the current way; keras_mp never builds such a model, and "
+            "nothing was changed. Upgrade the old model on its own first "
+            "(`keras_mp.upgrade(old)` on the model loaded from its file), "
+            "then quantize more layers of it, or of the float model "
+            "`keras_mp.strip_quantization(upgraded)` gives back."
         )
     floats, sources = _unwrapped_copy(model)
     walked = _models.walk(floats)
