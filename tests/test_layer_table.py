@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import keras_mp
-from keras_mp import layer_table
-from keras_mp.quantization import twins
+from keras_mp import _keras, layer_table
+from keras_mp.quantization import placement, twins
 
 L = keras.layers
 
@@ -228,6 +228,14 @@ def quantize_sample(cls, model):
     config = None
     if ROWS[cls].inputs == layer_table.NO_INPUTS:  # pooling: on request only
         config = {"sample": keras_mp.QuantizeConfig(quantize_inputs=True)}
+        # An average pooling runs in INT8 only with its output quantized
+        # too (`placement.qdq_role`): quantize the next layer's input when
+        # that layer does not already (a global pool, not the Dense head).
+        layer = model.get_layer("sample")
+        after = _keras.outbound_nodes(layer)[0].operation
+        row = layer_table.row_for(after)
+        if placement.qdq_role(layer) == "fused" and not (row and row.weighted):
+            config[after.name] = keras_mp.QuantizeConfig(quantize_inputs=True)
     return keras_mp.quantize_model(model, config=config)
 
 

@@ -23,6 +23,11 @@ from keras_mp.onnx.graph import (
     input_channel_axis,
     output_channel_axis,
 )
+from keras_mp.quantization.placement import (
+    COMMUTING_OPS,
+    FUSED_OPS,
+    SCALE_COMMUTING_OPS,
+)
 
 QOPERATOR_OPS = frozenset(
     """QLinearConv QLinearMatMul ConvInteger MatMulInteger MatMulIntegerToFloat
@@ -34,8 +39,11 @@ QOPERATOR_OPS = frozenset(
 SPARSE_OPS = ("Conv", "MatMul", "Gemm")
 # Ops that commute with quantization, through which TensorRT's Q/DQ
 # propagation moves a Q backwards and a DQ forwards: layout ops (values
-# only moved) and max pooling (max of codes is the code of the max).
-PASS_THROUGH_OPS = LAYOUT_OPS | {"MaxPool", "GlobalMaxPool"}
+# only moved) and max pooling (max of codes is the code of the max). The
+# facts and their sources are the placement's (`placement.COMMUTING_OPS`;
+# a Concat is walked only when its inputs share one scale,
+# `LintGraph.commutes`).
+PASS_THROUGH_OPS = LAYOUT_OPS | COMMUTING_OPS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,13 +71,31 @@ class LintGraph(GraphIndex):
         super().__init__(model)
         self.check_sparsity = check_sparsity
 
+    def commutes(self, node):
+        """Whether TensorRT moves a DQ forwards across `node`: one of
+        `PASS_THROUGH_OPS`, or a Concat whose inputs all come from
+        DequantizeLinear nodes with one same scale (`placement.py` has
+        the TensorRT source)."""
+        if node.op_type in PASS_THROUGH_OPS:
+            return True
+        if node.op_type not in SCALE_COMMUTING_OPS:
+            return False
+        scales = []
+        for tensor in node.input:
+            dq = self.trace(tensor).dq
+            scale = None if dq is None else self.const(dq.input[1])
+            if scale is None:
+                return False
+            scales.append(np.asarray(scale))
+        return all(np.array_equal(scales[0], s) for s in scales[1:])
+
     def consumers_through(self, tensor):
-        """The nodes reading `tensor`, directly or past `PASS_THROUGH_OPS`
-        (which are walked, not listed)."""
+        """The nodes reading `tensor`, directly or past the ops TensorRT
+        moves a DQ across (`commutes`: walked, not listed)."""
         found, pending, seen = [], [tensor], set()
         while pending:
             for node, _ in self.consumers.get(pending.pop(), []):
-                if node.op_type not in PASS_THROUGH_OPS:
+                if not self.commutes(node):
                     found.append(node)
                 elif id(node) not in seen:
                     seen.add(id(node))
@@ -329,13 +355,23 @@ def _rule_output_qdq(graph):
 
 
 def _qdq_is_used(graph, dq):
-    """Whether TensorRT fuses `dq`: it feeds a weighted op, or it is the
-    quantized skip input of a residual Add whose other input comes from a
-    quantized weighted op (the Conv+Add fusion `_rule_residual_add` asks
-    for)."""
+    """Whether TensorRT fuses `dq`: it feeds a weighted op; or an average
+    pooling whose output is quantized (TensorRT fuses DQ -> pool -> Q into
+    one INT8 kernel: `placement.FUSED_OPS`); or it is the quantized skip
+    input of a residual Add whose other input comes from a quantized
+    weighted op (the Conv+Add fusion `_rule_residual_add` asks for). The
+    DQ is followed across the ops TensorRT moves it over (max pooling,
+    layout ops, a Concat of inputs with one scale)."""
     if graph.feeds_weighted_op(dq.output[0]):
         return True
-    for add in graph.consumers_through(dq.output[0]):
+    consumers = graph.consumers_through(dq.output[0])
+    for pool in consumers:
+        if pool.op_type in FUSED_OPS and any(
+            n.op_type == "QuantizeLinear"
+            for n in graph.consumers_through(pool.output[0])
+        ):
+            return True
+    for add in consumers:
         if add.op_type != "Add" or len(add.input) != 2:
             continue
         for tensor in add.input:

@@ -8,7 +8,9 @@ consumer's Q moves across them); attention layers own one Q/DQ per
 distinct input tensor, and the projections inside them take theirs from
 the attention layer; a layer called more than once shares one input range.
 The ONNX lint (`keras_mp/onnx/rules.py`) checks the exported graph with the
-same fusibility facts (`fusable_producer`).
+same fusibility facts (`fusable_producer`, and which ops TensorRT moves
+Q/DQ across or fuses them into: `COMMUTING_OPS`, `SCALE_COMMUTING_OPS`,
+`FUSED_OPS`, `qdq_role`).
 """
 
 import warnings
@@ -19,6 +21,61 @@ from keras_mp import _keras, layer_table
 from keras_mp.layer_table import ALL_INPUTS, NO_INPUTS, SKIP_INPUTS
 from keras_mp.quantization import attention
 from keras_mp.quantization.layers import quantizable_row
+
+# How TensorRT treats the non-weighted ops around a Q/DQ (TensorRT Developer
+# Guide, "Explicit Quantization" > "TensorRT Processing of Q/DQ Networks"
+# and "Q/DQ Limitations",
+# https://docs.nvidia.com/deeplearning/tensorrt/latest/inference-library/quantized-types-explicit-quantization.html):
+# - it propagates each Q backwards and each DQ forwards across ops that
+#   commute with (de)quantization, Q(op(x)) == op(Q(x)): max pooling (the
+#   guide's example) and the layout ops (`keras_mp.onnx.graph.LAYOUT_OPS`);
+# - Concat commutes with a Q always, but the DQs of its inputs move past it
+#   only when they share one scale (rewrites that compare the scales of two
+#   or more Q/DQ happen only when they are equal; ModelOpt's ONNX PTQ groups
+#   a Concat's input Q/DQ under one scale for this, its "concat_elimination"
+#   pass, `get_concat_eliminated_tensors`);
+# - "quantizable" non-weighted ops that do not commute (average pooling, the
+#   guide's example; ModelOpt's INT8 PTQ also quantizes GlobalAveragePool)
+#   fuse DQ -> op -> Q into one INT8 kernel, and only then: "non-weighted
+#   layers that have INT8 inputs also require INT8 outputs".
+# ONNX op types, read by the lint; `qdq_role` gives the same for a layer.
+COMMUTING_OPS = frozenset({"MaxPool", "GlobalMaxPool"})
+SCALE_COMMUTING_OPS = frozenset({"Concat"})
+FUSED_OPS = frozenset({"AveragePool", "GlobalAveragePool"})
+_COMMUTING_LAYERS = (
+    keras.layers.MaxPooling1D,
+    keras.layers.MaxPooling2D,
+    keras.layers.MaxPooling3D,
+    keras.layers.GlobalMaxPooling1D,
+    keras.layers.GlobalMaxPooling2D,
+    keras.layers.GlobalMaxPooling3D,
+)
+_FUSED_LAYERS = (
+    keras.layers.AveragePooling1D,
+    keras.layers.AveragePooling2D,
+    keras.layers.AveragePooling3D,
+    keras.layers.GlobalAveragePooling1D,
+    keras.layers.GlobalAveragePooling2D,
+    keras.layers.GlobalAveragePooling3D,
+)
+
+
+def qdq_role(layer):
+    """How TensorRT treats a Q/DQ on the input of non-weighted `layer`.
+
+    Returns:
+        `"commuting"` (max pooling: TensorRT moves the Q/DQ across it),
+        `"same_scale"` (Concatenate: the DQs of its inputs move across it
+        only when they share one scale), `"fused"` (average pooling: an
+        INT8 kernel only when its output is quantized too), or None.
+    """
+    if isinstance(layer, _COMMUTING_LAYERS):
+        return "commuting"
+    if isinstance(layer, keras.layers.Concatenate):
+        return "same_scale"
+    if isinstance(layer, _FUSED_LAYERS):
+        return "fused"
+    return None
 
 
 def fusable_producer(layer):

@@ -257,3 +257,85 @@ def test_keras_hub_style_residual_add_exports_lint_clean(tmp_path):
     report = check_tensorrt(path)
     assert report.ok and report.warnings == [], str(report)
     assert report.weighted_ops == report.weighted_ops_quantized == 3
+
+
+def _pooled(op, out_quantized, branches=1, same_scale=True):
+    """`branches` x (x -> Q/DQ -> Conv -> Q/DQ) [-> Concat] -> `op`
+    [-> GlobalAveragePool] [-> Q/DQ] -> output, with `op` "AveragePool",
+    "MaxPool" (followed by a GlobalAveragePool) or "GlobalAveragePool"."""
+    shape = (1, 4, 6, 6)
+    nodes, x_dq = _qdq("x", "x")
+    inits = {
+        "s": np.float32(0.02),
+        "s2": np.float32(0.03),
+        "zp": np.int8(0),
+    }
+    outputs = []
+    for b in range(branches):
+        w, w_dq, w_inits = _weight(f"w{b}", (4, 4, 1, 1), 0)
+        inits.update(w_inits)
+        conv = helper.make_node("Conv", [x_dq, w_dq], [f"c{b}"], f"conv{b}")
+        qdq, c_dq = _qdq(f"c{b}", f"c{b}")
+        if not same_scale and b:
+            for node in qdq:
+                node.input[1] = "s2"
+        nodes += [w, conv, *qdq]
+        outputs.append(c_dq)
+    if branches > 1:
+        nodes.append(
+            helper.make_node("Concat", outputs, ["cat"], "cat", axis=1)
+        )
+        outputs = ["cat"]
+    kwargs = {"kernel_shape": [2, 2]} if op != "GlobalAveragePool" else {}
+    nodes.append(helper.make_node(op, outputs, ["pool"], "pool", **kwargs))
+    last = "pool"
+    if op == "MaxPool":
+        nodes.append(helper.make_node("GlobalAveragePool", [last], ["gap"]))
+        last = "gap"
+    if out_quantized:
+        qdq, last = _qdq(last, "out")
+        nodes += qdq
+    nodes.append(helper.make_node("Identity", [last], ["y"], "y"))
+    graph = helper.make_graph(
+        nodes,
+        "pooled",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(np.asarray(v), k) for k, v in inits.items()],
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 17)]
+    )
+    ort.InferenceSession(model.SerializeToString()).run(
+        None, {"x": RNG.random(shape, dtype=np.float32)}
+    )
+    return model
+
+
+def _output_qdq(model):
+    report = check_tensorrt(model)
+    assert report.ok, str(report)
+    return sorted(f.node for f in report.warnings if f.rule == "output_qdq")
+
+
+@pytest.mark.parametrize("op", ["AveragePool", "GlobalAveragePool", "MaxPool"])
+def test_qdq_into_a_pooling_with_a_quantized_output_is_fused(op):
+    # TensorRT fuses DQ -> AveragePool -> Q into one INT8 pooling, and
+    # moves the DQ across a MaxPool (placement.qdq_role has the source).
+    assert _output_qdq(_pooled(op, out_quantized=True)) == []
+
+
+@pytest.mark.parametrize("op", ["AveragePool", "GlobalAveragePool"])
+def test_qdq_into_a_pooling_with_a_float_output_still_warns(op):
+    # Non-weighted INT8 ops need an INT8 output: a Q/DQ a user put before
+    # a pooling whose output stays float fuses into nothing.
+    assert _output_qdq(_pooled(op, out_quantized=False)) == ["q_c0"]
+
+
+def test_concat_inputs_commute_only_with_one_scale():
+    # TensorRT moves the DQs of a Concat's inputs past it only when their
+    # scales are equal; then they reach the quantized pooling after it.
+    same = _pooled("GlobalAveragePool", True, branches=2, same_scale=True)
+    assert _output_qdq(same) == []
+    other = _pooled("GlobalAveragePool", True, branches=2, same_scale=False)
+    assert _output_qdq(other) == ["q_c0", "q_c1"]
