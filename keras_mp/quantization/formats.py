@@ -128,8 +128,9 @@ def number_format(name_or_bits):
 
     Example:
 
-    >>> number_format(8).scale(2.54)
-    array(0.02, dtype=float32)
+    >>> row = number_format(8)  # FORMATS["int8"]
+    >>> row.qmin, row.qmax, row.narrow_qmin
+    (-128, 127, -127)
     """
     if isinstance(name_or_bits, NumberFormat):
         return name_or_bits
