@@ -56,8 +56,8 @@ class TensorQuantizer(keras.layers.Layer):
         narrow_range: bool. Saturate at `[-qmax, qmax]` (int8: `[-127,
             127]`, TensorRT's weights) instead of `[qmin, qmax]` (`[-128,
             127]`). Defaults to False.
-        learned_range: bool. Train `amax` (per tensor only). Defaults to
-            False.
+        learned_range: bool. Train `amax` (per tensor, full range only).
+            Defaults to False.
         track_range: bool. Set `amax` to `max|x|` at every training step.
             Defaults to False.
         num_bits: int or None. The int row of that many bits: the same as
@@ -66,7 +66,7 @@ class TensorQuantizer(keras.layers.Layer):
 
     Raises:
         ValueError: an unknown format, or a learned range that is per
-            channel or tracked.
+            channel, narrow or tracked.
 
     Example:
 
@@ -89,11 +89,12 @@ class TensorQuantizer(keras.layers.Layer):
         super().__init__(**kwargs)
         self.format = _resolve_format(format, num_bits)
         self.out_axes = tuple(int(a) for a in out_axes)
-        if learned_range and (self.out_axes or track_range):
+        if learned_range and (self.out_axes or narrow_range or track_range):
             raise ValueError(
-                "A learned range is one trained value per tensor: it needs "
-                "out_axes=() and track_range=False. Received: "
-                f"out_axes={self.out_axes}, track_range={track_range}"
+                "A learned range is one trained value per tensor, full "
+                "range: it needs out_axes=(), narrow_range=False and "
+                f"track_range=False. Received: out_axes={self.out_axes}, "
+                f"narrow_range={narrow_range}, track_range={track_range}"
             )
         self.narrow_range = bool(narrow_range)
         self.learned_range = bool(learned_range)

@@ -219,6 +219,8 @@ def test_argument_errors():
         TensorQuantizer(format="int8", num_bits=4)
     with pytest.raises(ValueError, match="out_axes=\\(-1,\\)"):
         TensorQuantizer(out_axes=(-1,), learned_range=True)
+    with pytest.raises(ValueError, match="narrow_range=True"):
+        WeightQuantizer(learned_range=True, track_range=False)
     assert TensorQuantizer(num_bits=4).format is FORMATS["int4"]
     assert TensorQuantizer(format="int4", num_bits=4).num_bits == 4
 
