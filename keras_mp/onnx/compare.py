@@ -184,8 +184,7 @@ def _is_qdq(layer):
 
 def _step(quantizer):
     """One quantization step of a `QuantizeActivation` (0 uncalibrated)."""
-    amax = float(quantizer.amax.numpy())
-    return amax / (2 ** (quantizer.num_bits - 1) - 1)
+    return float(quantizer.amax.numpy()) / quantizer.format.qmax
 
 
 def _kind(layer):

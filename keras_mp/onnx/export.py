@@ -65,17 +65,17 @@ def _check_exportable(model):
             "data) first (on finite data), or skip those layers with "
             "QuantizeConfig(skip=True)."
         )
-    narrow = sorted(
+    unwritable = sorted(
         f"{q.name} ({q.quantizer.num_bits} bits)"
         for q in quantizers_of(model, "export_onnx")
-        if q.quantizer.num_bits != 8
+        if q.quantizer.format.onnx_type is None
     )
-    if narrow:
+    if unwritable:
         raise ExportError(
             f"ONNX export writes INT8 Q/DQ (scale = amax / 127), but "
-            f"{len(narrow)} quantizer(s) of model {model.name!r} use fewer "
-            f"bits: {', '.join(narrow[:8])}"
-            + (", ..." if len(narrow) > 8 else "")
+            f"{len(unwritable)} quantizer(s) of model {model.name!r} use "
+            f"fewer bits: {', '.join(unwritable[:8])}"
+            + (", ..." if len(unwritable) > 8 else "")
             + ". The file would not compute what the Keras model does. "
             "Quantize with QuantizeConfig(num_bits=8) to export; fewer bits "
             "are for simulation in Keras only. Nothing was written."

@@ -9,13 +9,14 @@ import numpy as np
 
 from keras_mp.onnx.fold import _dequantize, _quantize
 from keras_mp.onnx.graph import GraphIndex, attr
+from keras_mp.quantization.formats import number_format
 
 # Smallest float16 normal number (2**-14). A smaller scale is subnormal in
 # float16: it keeps fewer significant bits, and flush-to-zero kernels read 0.
 FP16_TINY = float(np.finfo(np.float16).tiny)
-# tf2onnx writes scale = amax / 127 for activations (full INT8 range) and
-# weights (narrow range) alike: 127 steps between 0 and amax.
-_STEPS = 127
+# The INT8 grid the exported scales belong to: 127 steps between 0 and
+# amax for activations (full range) and weights (narrow range) alike.
+_STEPS = number_format("int8").qmax
 
 
 @dataclasses.dataclass
@@ -144,20 +145,18 @@ def _drop_unused(graph, names):
 def _quantizer_scales(model):
     """`(description, range amax, exported scale)` of each enabled quantizer
     of `model`; the scale is the one tf2onnx writes for it:
-    `max(amax, MIN_AMAX) / 127` in float32."""
+    `max(amax, MIN_AMAX) / qmax` of its format, in float32."""
     from keras_mp.quantization.quantizers import MIN_AMAX
     from keras_mp.quantization.twins import quantizers
 
-    found = [
-        (f"{q.name} ({'weight' if q.weight else 'input'})", q.quantizer.amax)
-        for q in quantizers(model, "export_onnx")
-        if getattr(q.quantizer, "enabled", True) and q.layer.enabled
-    ]
     rows = []
-    for description, variable in found:
-        amax = np.asarray(variable.numpy(), np.float32)
-        scale = np.maximum(amax, np.float32(MIN_AMAX)) / np.float32(_STEPS)
-        rows.append((description, amax, scale.astype(np.float32)))
+    for q in quantizers(model, "export_onnx"):
+        if not (q.quantizer.enabled and q.layer.enabled):
+            continue
+        amax = np.asarray(q.quantizer.amax.numpy(), np.float32)
+        scale = q.quantizer.format.scale(np.maximum(amax, np.float32(MIN_AMAX)))
+        description = f"{q.name} ({'weight' if q.weight else 'input'})"
+        rows.append((description, amax, scale))
     return rows
 
 

@@ -1,6 +1,7 @@
 """INT8 fake quantization the way TensorRT wants it.
 
 Annotate -> apply -> calibrate (PTQ) and/or `fit` (QAT) -> strip: the
+quantizer (`TensorQuantizer`, its number format a row of `FORMATS`), the
 quantize layers, their configuration, the calibrators and the report; any
 Keras 3 model, layers at any depth (`inplace.py`).
 Guide: `docs/quantization.md`.
@@ -14,6 +15,7 @@ from keras_mp.quantization.annotate import (
 )
 from keras_mp.quantization.calibrate import activation_quantizers, calibrate
 from keras_mp.quantization.config import QuantizeConfig
+from keras_mp.quantization.formats import FORMATS, NumberFormat, number_format
 from keras_mp.quantization.layers import QuantizeActivation
 from keras_mp.quantization.legacy import (
     QuantizeAnnotate,
@@ -21,6 +23,7 @@ from keras_mp.quantization.legacy import (
     upgrade,
 )
 from keras_mp.quantization.model import QuantizedModel
+from keras_mp.quantization.quantizer import TensorQuantizer
 from keras_mp.quantization.report import quantization_report
 from keras_mp.quantization.strip import strip_quantization
 from keras_mp.quantization.twins import set_quantization_enabled

@@ -18,12 +18,11 @@ import tensorflow as tf
 from keras_mp import _models, layer_table
 from keras_mp.layer_table import ALL_INPUTS, NO_INPUTS
 from keras_mp.quantization.config import QuantizeConfig
-from keras_mp.quantization.layers import (
-    QuantizeActivation,
+from keras_mp.quantization.layers import QuantizeActivation, quantizable_row
+from keras_mp.quantization.quantizer import (
     _channel_view,
     _num_channels,
-    quantizable_row,
-    weight_amax,
+    tensor_amax,
     widen_saved_ranges,
 )
 from keras_mp.quantization.quantizers import fake_quant
@@ -202,7 +201,7 @@ class QuantizeWrapper(keras.layers.Wrapper):
             amax.assign(self._weight_amax(getattr(self.layer, attr), axes))
 
     def _weight_amax(self, kernel, axes):
-        return weight_amax(kernel, axes)
+        return tensor_amax(kernel, axes)
 
     @property
     def enabled(self):
@@ -228,7 +227,7 @@ class QuantizeWrapper(keras.layers.Wrapper):
                 amax,
                 axis=axis,
                 narrow_range=True,
-                num_bits=self.config.num_bits,
+                format=self.config.num_bits,
             )
             mapping.append((kernel, back(q)))
         return mapping

@@ -1,29 +1,21 @@
-"""Fake-quant math: symmetric signed INT8, per-tensor or per-channel, STE.
+"""Fake-quant math: symmetric, per-tensor or per-channel, with a gradient.
 
-Built on TensorFlow's `QuantizeAndDequantizeV3` with a given range, which
-tf2onnx exports as a QuantizeLinear/DequantizeLinear pair with a constant
-scale. Why this op, and why full range for activations: see
-`docs/quantization.md` ("How the fake quantization is built").
+The rounding comes from the quantizer's `NumberFormat` (`formats.py`); the
+gradients here are the same for every format: straight-through inside the
+range, and PACT for a learned range. For int8 the rounding is TensorFlow's
+`QuantizeAndDequantizeV3` with a given range, which tf2onnx exports as a
+QuantizeLinear/DequantizeLinear pair with a constant scale. Why this op,
+and why full range for activations: see `docs/quantization.md` ("How the
+fake quantization is built").
 """
 
 import tensorflow as tf
 
+from keras_mp.quantization.formats import number_format
+
 # The smallest range a quantizer uses: a channel whose weights are all zero
 # (e.g. pruned) still gets a positive scale, which TensorRT requires.
 MIN_AMAX = 1e-8
-
-
-def _qdq(x, amax, axis, narrow_range, num_bits):
-    return tf.raw_ops.QuantizeAndDequantizeV3(
-        input=x,
-        input_min=-amax,
-        input_max=amax,
-        num_bits=num_bits,
-        signed_input=True,
-        range_given=True,
-        narrow_range=narrow_range,
-        axis=-1 if axis is None else axis,
-    )
 
 
 def _broadcast(amax, rank, axis):
@@ -34,14 +26,14 @@ def _broadcast(amax, rank, axis):
     return tf.reshape(amax, shape)
 
 
-def fake_quant(x, amax, axis=None, narrow_range=False, num_bits=8):
+def fake_quant(x, amax, axis=None, narrow_range=False, format="int8"):
     """Quantizes then dequantizes `x` the way ONNX Q/DQ does.
 
-    `q = saturate(round_half_to_even(x / scale))`, `scale = amax / (2^(b-1)
-    - 1)`, output `q * scale`; saturation at `[-2^(b-1), 2^(b-1) - 1]`, or
-    `[-(2^(b-1) - 1), 2^(b-1) - 1]` with `narrow_range`. The gradient is the
-    straight-through estimator: passed through inside the clipping range,
-    zero outside.
+    `q = saturate(round(x / scale))`, `scale = amax / qmax`, output
+    `q * scale`; saturation at `[qmin, qmax]` of the format, or `[-qmax,
+    qmax]` with `narrow_range`. For int8: round half to even, `qmax = 127`,
+    `qmin = -128`. The gradient is the straight-through estimator: passed
+    through inside the clipping range, zero outside.
 
     Args:
         x: float tensor. float16/bfloat16 are quantized in float32 and cast
@@ -49,33 +41,35 @@ def fake_quant(x, amax, axis=None, narrow_range=False, num_bits=8):
         amax: float32 scalar (per-tensor) or vector of length
             `x.shape[axis]` (per-channel).
         axis: int or None. The channel axis for a per-channel `amax`.
-        narrow_range: bool. Use `[-127, 127]` (weights) instead of
-            `[-128, 127]` (activations). Defaults to False.
-        num_bits: int. Defaults to 8.
+        narrow_range: bool. Use `[-qmax, qmax]` (weights: `[-127, 127]`)
+            instead of `[qmin, qmax]` (activations: `[-128, 127]`).
+            Defaults to False.
+        format: str, int or `NumberFormat`. The number format
+            (`formats.number_format`). Defaults to `"int8"`.
 
     Returns:
         A tensor like `x`.
     """
+    fmt = number_format(format)
     dtype = x.dtype
     x32 = tf.cast(x, tf.float32)
     amax = tf.maximum(tf.cast(amax, tf.float32), MIN_AMAX)
     if axis is not None and axis < 0:
         axis += x32.shape.rank
-    out = _fake_quant_ste(x32, amax, axis, narrow_range, num_bits)
+    out = _fake_quant_ste(x32, amax, axis, narrow_range, fmt)
     return tf.cast(out, dtype)
 
 
-def _fake_quant_ste(x, amax, axis, narrow_range, num_bits):
-    qmax = 2.0 ** (num_bits - 1) - 1
-    qmin = -qmax if narrow_range else -(qmax + 1)
+def _fake_quant_ste(x, amax, axis, narrow_range, fmt):
+    low = (fmt.narrow_qmin if narrow_range else fmt.qmin) / fmt.qmax
 
     @tf.custom_gradient
     def forward(x):
-        y = _qdq(x, amax, axis, narrow_range, num_bits)
+        y = fmt.quantize_dequantize(x, amax, axis, narrow_range)
 
         def grad(dy):
             a = _broadcast(amax, x.shape.rank, axis)
-            inside = tf.logical_and(x >= a * (qmin / qmax), x <= a)
+            inside = tf.logical_and(x >= a * low, x <= a)
             return dy * tf.cast(inside, dy.dtype)
 
         return y, grad
@@ -83,22 +77,23 @@ def _fake_quant_ste(x, amax, axis, narrow_range, num_bits):
     return forward(x)
 
 
-def fake_quant_learned(x, amax, num_bits=8):
+def fake_quant_learned(x, amax, format="int8"):
     """Per-tensor fake quant with a trainable range (PACT-style gradient).
 
     The gradient with respect to `amax` is the sum of the upstream gradient
-    over values clipped at the top, minus that at the bottom (PACT, Choi et
-    al. 2018); inside the range values pass straight through.
+    over values clipped at the top, minus that at the bottom (scaled by
+    `qmin / qmax`; PACT, Choi et al. 2018); inside the range values pass
+    straight through.
     """
+    fmt = number_format(format)
     dtype = x.dtype
     x32 = tf.cast(x, tf.float32)
-    qmax = 2.0 ** (num_bits - 1) - 1
-    low = -(qmax + 1) / qmax
+    low = fmt.qmin / fmt.qmax
 
     @tf.custom_gradient
     def forward(x, amax):
         a = tf.maximum(amax, MIN_AMAX)
-        y = _qdq(x, a, None, False, num_bits)
+        y = fmt.quantize_dequantize(x, a)
 
         def grad(dy):
             above = tf.cast(x > a, dy.dtype)

@@ -6,8 +6,9 @@ import numpy as np
 from keras_mp import _keras, _models, layer_table
 from keras_mp.layer_table import NO_INPUTS, SKIP_INPUTS
 from keras_mp.quantization import twins
-from keras_mp.quantization.layers import QuantizeActivation, quantizable_row
+from keras_mp.quantization.layers import quantizable_row
 from keras_mp.quantization.legacy import check_current
+from keras_mp.quantization.quantizer import TensorQuantizer
 
 
 def _quantized_row(layer):
@@ -98,8 +99,9 @@ def quantization_report(model, verbose=True):
         row = {"layer": layer.name, "path": path, "type": type(layer).__name__}
         if twins.is_quantized(layer):
             row.update(_quantized_row(layer))
-        elif isinstance(layer, QuantizeActivation):
-            row.update(quantized=True, inputs={0: float(layer.amax.numpy())})
+        elif isinstance(layer, TensorQuantizer):
+            amax = float(np.max(layer.amax.numpy()))
+            row.update(quantized=True, inputs={0: amax})
             row.update(weights={}, note="stand-alone Q/DQ")
         else:
             row.update(quantized=False, inputs={}, weights={})

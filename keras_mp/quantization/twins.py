@@ -18,32 +18,26 @@ import inspect
 import keras
 
 from keras_mp import _keras, _models
-from keras_mp.quantization.config import QuantizeConfig
-from keras_mp.quantization.layers import (
-    QuantizeActivation,
-    _channel_view,
-    _num_channels,
-    weight_amax,
-    widen_saved_ranges,
-)
-from keras_mp.quantization.quantizers import fake_quant
+from keras_mp.quantization.quantizer import TensorQuantizer
 from keras_mp.quantization.separable import separable_conv
 
 
 @keras.saving.register_keras_serializable(package="keras_mp")
-class WeightQuantizer(keras.layers.Layer):
+class WeightQuantizer(TensorQuantizer):
     """Fake-quantizes one weight of the layer that owns it.
 
-    Symmetric, narrow range [-127, 127], per output channel (the product of
-    `out_axes`) or per tensor. The range `amax` (a float32 variable) is the
-    weight's `max|w|`, recomputed at each training step and stored, so an
-    export reads constants.
+    A `TensorQuantizer` with a weight's defaults: narrow range (int8:
+    `[-127, 127]`), per output channel (the product of `out_axes`) or per
+    tensor, float32, and a range that is the weight's `max|w|`, recomputed
+    at each training step and stored, so an export reads constants.
 
     Args:
         out_axes: tuple of int. The weight's output-channel axes; `()` for
             one range per tensor. Defaults to `()`.
-        num_bits: int. Defaults to 8.
-        **kwargs: Base layer arguments (`name`).
+        num_bits: int or None. The int format of that many bits; None for
+            `format` (int8 by default). Defaults to None.
+        **kwargs: `TensorQuantizer` arguments (`format`) and base layer
+            arguments (`name`).
 
     Example:
 
@@ -52,48 +46,11 @@ class WeightQuantizer(keras.layers.Layer):
     >>> fake_quantized = quantizer(dense.kernel)
     """
 
-    def __init__(self, out_axes=(), num_bits=8, **kwargs):
+    def __init__(self, out_axes=(), num_bits=None, **kwargs):
         kwargs.setdefault("dtype", "float32")
-        super().__init__(**kwargs)
-        QuantizeConfig(num_bits=num_bits)  # validates num_bits
-        self.out_axes = tuple(int(a) for a in out_axes)
-        self.num_bits = num_bits
-
-    def build(self, kernel_shape):
-        self.amax = self.add_weight(
-            name="amax",
-            shape=_num_channels(kernel_shape, self.out_axes),
-            initializer="zeros",
-            dtype="float32",
-            trainable=False,
-            aggregation="only_first_replica",
-        )
-
-    def load_own_variables(self, store):
-        super().load_own_variables(widen_saved_ranges(self, store))
-
-    def update(self, kernel):
-        """Sets the range to `kernel`'s `max|w|`."""
-        self.amax.assign(weight_amax(kernel, self.out_axes))
-
-    def call(self, kernel, training=None):
-        amax = self.amax
-        if training:
-            amax = weight_amax(kernel, self.out_axes)
-            self.amax.assign(amax)
-        view, axis, back = _channel_view(kernel, self.out_axes)
-        q = fake_quant(
-            view, amax, axis=axis, narrow_range=True, num_bits=self.num_bits
-        )
-        return back(q)
-
-    def compute_output_shape(self, input_shape):
-        return input_shape
-
-    def get_config(self):
-        config = super().get_config()
-        config.update(out_axes=self.out_axes, num_bits=self.num_bits)
-        return config
+        kwargs.setdefault("narrow_range", True)
+        kwargs.setdefault("track_range", True)
+        super().__init__(out_axes=out_axes, num_bits=num_bits, **kwargs)
 
 
 def _like(quantized, x):
@@ -123,7 +80,7 @@ class QuantizedLayer:
 
     @enabled.setter
     def enabled(self, value):
-        for q in self.named_quantizers().values():
+        for q in self.owned_quantizers():
             q.enabled = value
         self._quantize_enabled = value
 
@@ -259,7 +216,7 @@ class Quantizer:
         name: str. `<layer path>/<input name>` (`input_0`, `input_query`,
             `attention_probs`, `pointwise_input`), `<layer path>/<weight
             attribute>` for a weight, the layer path of a stand-alone
-            `QuantizeActivation`.
+            `QuantizeActivation` (or other `TensorQuantizer`).
         quantizer: the quantizer layer (its range is `quantizer.amax`).
         layer: the layer that owns it (itself when stand-alone).
         weight: str or None. The attribute of the weight it quantizes;
@@ -299,7 +256,7 @@ def quantizers(model, caller="keras_mp"):
                 found.append(Quantizer(f"{path}/{key}", q, layer))
             for attr, q in zip(layer.weight_attrs, layer.weight_quantizers):
                 found.append(Quantizer(f"{path}/{attr}", q, layer, attr))
-        elif isinstance(layer, QuantizeActivation):
+        elif isinstance(layer, TensorQuantizer):
             found.append(Quantizer(path, layer, layer))
     return found
 

@@ -1,0 +1,147 @@
+"""Number formats: what a quantizer rounds to, one row per format.
+
+A `NumberFormat` holds everything that differs between formats: the grid
+(`qmax`, `qmin`), its rounding function, and the element type the ONNX
+export writes. The fake-quant math (`quantizers.py`), the quantizer
+(`quantizer.py`) and the export read the row; none of them branches on a
+format's name, so a new format is one row of `FORMATS`. Guide:
+`docs/quantization.md` ("Number formats").
+"""
+
+import dataclasses
+import types
+from collections.abc import Callable
+
+import numpy as np
+import tensorflow as tf
+
+
+@dataclasses.dataclass(frozen=True)
+class NumberFormat:
+    """A symmetric number format: its grid, rounding and ONNX type.
+
+    A value `x` in a range `[-amax, amax]` is stored as the code
+    `round(x / scale)` with `scale = amax / qmax`, saturated to
+    `[qmin, qmax]` (`[-qmax, qmax]` for a narrow-range quantizer).
+
+    Attributes:
+        name: str. The row's name (`"int8"`), as configs save it.
+        kind: str. `"int"` (uniform grid of integers) or `"float"` (a
+            floating-point grid, e.g. FP8 E4M3).
+        bits: int. Bits per value.
+        qmax: float. The largest code; `amax` maps to it.
+        qmin: float. The smallest code of the full range.
+        onnx_type: str or None. The `onnx.TensorProto` element type of the
+            exported zero point (TensorRT reads the format from it); None
+            when the ONNX export cannot write this format.
+        qdq: callable `(fmt, x, amax, axis, narrow_range) -> tensor`. Rounds
+            the float32 `x` to the grid of `fmt` scaled to `amax` (a scalar,
+            or a vector along `axis`) and returns the grid values (no
+            gradient: `fake_quant` adds it).
+    """
+
+    name: str
+    kind: str
+    bits: int
+    qmax: float
+    qmin: float
+    onnx_type: str
+    qdq: Callable = dataclasses.field(repr=False)
+
+    def __post_init__(self):
+        if self.kind not in ("int", "float"):
+            raise ValueError(
+                f"NumberFormat {self.name!r}: `kind` must be 'int' or "
+                f"'float'. Received: kind={self.kind!r}"
+            )
+        if not self.qmin < 0 < self.qmax:
+            raise ValueError(
+                f"NumberFormat {self.name!r}: a symmetric format needs "
+                f"qmin < 0 < qmax. Received: qmin={self.qmin}, "
+                f"qmax={self.qmax}"
+            )
+
+    @property
+    def narrow_qmin(self):
+        """The smallest code of a narrow-range quantizer: `-qmax`."""
+        return -self.qmax
+
+    def scale(self, amax):
+        """The Q/DQ scale of a range, `amax / qmax` in float32 (a scalar
+        or one per channel)."""
+        return np.asarray(amax, np.float32) / np.float32(self.qmax)
+
+    def quantize_dequantize(self, x, amax, axis=None, narrow_range=False):
+        """`x` rounded to this format's grid over `[-amax, amax]`."""
+        return self.qdq(self, x, amax, axis, narrow_range)
+
+
+def _int_qdq(fmt, x, amax, axis, narrow_range):
+    """TensorFlow's `QuantizeAndDequantizeV3` with a given range: round half
+    to even, saturate; tf2onnx exports it as a QuantizeLinear /
+    DequantizeLinear pair with a constant scale."""
+    return tf.raw_ops.QuantizeAndDequantizeV3(
+        input=x,
+        input_min=-amax,
+        input_max=amax,
+        num_bits=fmt.bits,
+        signed_input=True,
+        range_given=True,
+        narrow_range=narrow_range,
+        axis=-1 if axis is None else axis,
+    )
+
+
+def _int_row(bits):
+    top = 2 ** (bits - 1)
+    return NumberFormat(
+        name=f"int{bits}",
+        kind="int",
+        bits=bits,
+        qmax=top - 1,
+        qmin=-top,
+        # tf2onnx writes Q/DQ for 8 bits only; fewer are for simulation.
+        onnx_type="INT8" if bits == 8 else None,
+        qdq=_int_qdq,
+    )
+
+
+# Every format a quantizer accepts, by name. The int rows are the widths
+# `QuantizeConfig(num_bits=...)` accepts; TensorRT runs int8.
+FORMATS = types.MappingProxyType(
+    {row.name: row for row in map(_int_row, range(2, 9))}
+)
+
+
+def number_format(name_or_bits):
+    """The `NumberFormat` row of `FORMATS` named `name_or_bits`.
+
+    Args:
+        name_or_bits: str, int or `NumberFormat`. A row's name (`"int8"`),
+            the bits of an int row (`8`), or a row itself (returned as is).
+
+    Returns:
+        `NumberFormat`.
+
+    Raises:
+        ValueError: no row has that name or width.
+
+    Example:
+
+    >>> row = number_format(8)  # FORMATS["int8"]
+    >>> row.qmin, row.qmax, row.narrow_qmin
+    (-128, 127, -127)
+    """
+    if isinstance(name_or_bits, NumberFormat):
+        return name_or_bits
+    key = name_or_bits
+    if isinstance(key, int) and not isinstance(key, bool):
+        key = f"int{key}"
+    row = FORMATS.get(key) if isinstance(key, str) else None
+    if row is None:
+        raise ValueError(
+            f"Unknown number format. Expected one of {list(FORMATS)} (a "
+            "name, or an int row's bits, e.g. 8). Received: "
+            f"{name_or_bits!r}"
+        )
+    return row
