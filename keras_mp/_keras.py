@@ -112,6 +112,15 @@ def sublayers(layer):
     return list(layer._flatten_layers(include_self=False, recursive=False))
 
 
+def call_training():
+    """The `training` flag of the Keras call in progress (None outside one):
+    what a layer's sublayers receive when the call passes it on."""
+    from keras.src.backend.common import global_state
+
+    context = global_state.get_global_attribute("current_call_ctx")
+    return None if context is None else context.get_value("training")
+
+
 def in_xla_context():
     """True while tracing a function compiled with XLA (`jit_compile`)."""
     try:

@@ -74,20 +74,33 @@ class LintGraph(GraphIndex):
     def commutes(self, node):
         """Whether TensorRT moves a DQ forwards across `node`: one of
         `PASS_THROUGH_OPS`, or a Concat whose inputs all come from
-        DequantizeLinear nodes with one same scale (`placement.py` has
-        the TensorRT source)."""
+        DequantizeLinear nodes with one same scale, or all from
+        QuantizeLinear nodes with one same scale (the DQ moved past the
+        Concat already, as tf2onnx's optimizer does when the scales are
+        equal; `placement.py` has the TensorRT source)."""
         if node.op_type in PASS_THROUGH_OPS:
             return True
         if node.op_type not in SCALE_COMMUTING_OPS:
             return False
-        scales = []
-        for tensor in node.input:
-            dq = self.trace(tensor).dq
-            scale = None if dq is None else self.const(dq.input[1])
-            if scale is None:
-                return False
-            scales.append(np.asarray(scale))
+        scales = [self._qdq_scale(tensor) for tensor in node.input]
+        if any(s is None for s in scales):
+            return False
         return all(np.array_equal(scales[0], s) for s in scales[1:])
+
+    def _qdq_scale(self, tensor):
+        """The scale of the DequantizeLinear, or else of the QuantizeLinear,
+        that produces `tensor` (through layout ops); None if neither."""
+        dq = self.trace(tensor).dq
+        if dq is not None:
+            scale = self.const(dq.input[1])
+            return None if scale is None else np.asarray(scale)
+        node = self.producers.get(tensor)
+        while node is not None and node.op_type in LAYOUT_OPS:
+            node = self.producers.get(node.input[0])
+        if node is None or node.op_type != "QuantizeLinear":
+            return None
+        scale = self.const(node.input[1])
+        return None if scale is None else np.asarray(scale)
 
     def consumers_through(self, tensor):
         """The nodes reading `tensor`, directly or past the ops TensorRT

@@ -10,7 +10,7 @@ import dataclasses
 import keras
 import numpy as np
 
-from keras_mp import _inputs, _models
+from keras_mp import _inputs, _keras, _models
 from keras_mp.quantization.calibrators import (
     CALIBRATORS,
     PercentileCalibrator,
@@ -193,9 +193,17 @@ def calibrate(
             collapsed.append(name)
         q.amax.assign(amax)
         ranges[name] = amax
+    owners = {}
     for q in all_quantizers(model, "calibrate"):
+        owners[id(q.layer)] = q.layer
         if q.weight is not None:
             q.quantizer.update(getattr(q.layer, q.weight))
+    for layer in owners.values():
+        if getattr(layer, "shared_input_range", False):
+            layer.tie_input_ranges()  # a Concatenate's inputs: one range
+    ranges = {
+        name: float(_keras.to_numpy(quantizers[name].amax)) for name in ranges
+    }
     _models.reset_compiled_functions(model)
     return CalibrationReport(
         method, batches, samples, ranges, observed, collapsed

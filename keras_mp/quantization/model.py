@@ -13,9 +13,8 @@ import keras
 
 from keras_mp import _models
 from keras_mp.quantization import twins
-from keras_mp.quantization.config import QuantizeConfig
 from keras_mp.quantization.layers import quantizable_row
-from keras_mp.quantization.recipe import Recipe, apply_recipe, attach
+from keras_mp.quantization.recipe import Recipe, apply_entries, apply_recipe
 
 
 def quantization_record(model, walked):
@@ -48,21 +47,7 @@ def quantization_record(model, walked):
 
 def apply_quantization_record(model, record, walked):
     """Quantizes the float `model` in place as `record` says."""
-    for entry in record["entries"]:
-        layer, parents = walked[entry["index"]]
-        attach(
-            layer,
-            quantizable_row(layer),
-            QuantizeConfig.from_config(entry["config"]),
-            entry["inputs"],
-            _models.layer_path(layer, parents),
-            entry.get("calls", 1),
-        )
-        if entry.get("enabled", True) is False:
-            layer.enabled = False
-        named = layer.named_quantizers()
-        for key in entry.get("off", ()):
-            named[key].enabled = False
+    apply_entries(walked, record["entries"])
 
 
 _models.register_section(

@@ -132,6 +132,14 @@ class TensorQuantizer(keras.layers.Layer):
             return inputs
         if not self.enabled:
             return inputs
+        return self.quantize_with(
+            inputs, self.observe(inputs, training), training
+        )
+
+    def observe(self, inputs, training=None):
+        """The range to quantize `inputs` with: `amax`, set first from
+        `inputs` in training (the first batch's `max|x|`, or every batch's
+        with `track_range`)."""
         amax = self.amax
         if training and self.track_range:
             amax = tensor_amax(inputs, self.out_axes)
@@ -140,6 +148,12 @@ class TensorQuantizer(keras.layers.Layer):
             # First training step without calibration: start from the batch.
             amax = _first_batch_range(self.amax, inputs, self.out_axes)
             self.amax.assign(amax)
+        return amax
+
+    def quantize_with(self, inputs, amax, training=None):
+        """`inputs` fake-quantized on this format's grid over `[-amax,
+        amax]` (`amax` from `observe`, or one range shared by several
+        quantizers, `twins.QuantizedLayer`)."""
         if self.learned_range:
             out = fake_quant_learned(inputs, amax, self.format)
         else:

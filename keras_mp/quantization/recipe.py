@@ -131,6 +131,12 @@ def attach(layer, row, config, inputs, path, calls=1):
             else []
         )
         layer.quantize_calls = int(calls)
+        # TensorRT moves a Concat's input DQs only when their scales are
+        # equal: its inputs share one range (`placement.qdq_role`).
+        layer.shared_input_range = (
+            placement.qdq_role(layer) == "same_scale"
+            and not config.learned_range
+        )
     object.__setattr__(layer, "__class__", twin_class(type(layer)))
     for q in layer.owned_quantizers():
         _models.own(layer, q)
@@ -149,8 +155,14 @@ def apply_recipe(model, recipe):
         "Applying a quantization recipe",
         "the quantization recipe",
     )
-    walked = _models.walk(model)
-    for entry in recipe.entries:
+    apply_entries(_models.walk(model), recipe.entries)
+
+
+def apply_entries(walked, entries):
+    """Turns the layers of `walked` that `entries` (a recipe's, or the
+    record's quantization section's) name into their quantized twins, with
+    the quantizers the entries turn off turned off."""
+    for entry in entries:
         layer, parents = walked[entry["index"]]
         attach(
             layer,
@@ -160,6 +172,11 @@ def apply_recipe(model, recipe):
             _models.layer_path(layer, parents),
             entry.get("calls", 1),
         )
+        if entry.get("enabled", True) is False:
+            layer.enabled = False
+        named = layer.named_quantizers()
+        for key in entry.get("off", ()):
+            named[key].enabled = False
 
 
 def _probe_calls(model, layers):

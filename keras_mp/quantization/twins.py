@@ -133,10 +133,48 @@ class QuantizedLayer:
             x, rest = kwargs.pop(name), ()
         many = isinstance(x, (list, tuple))
         values = list(x) if many else [x]
-        for i, q in zip(self.input_indices, self.input_quantizers):
-            values[i] = _like(q(values[i]), values[i])
+        if self._shares_input_range():
+            self._quantize_with_one_range(values)
+        else:
+            for i, q in zip(self.input_indices, self.input_quantizers):
+                values[i] = _like(q(values[i]), values[i])
         x = type(x)(values) if many else values[0]
         return (x,) + tuple(rest), kwargs
+
+    def _shares_input_range(self):
+        return (
+            getattr(self, "shared_input_range", False)
+            and len(self.input_quantizers) > 1
+            and self.enabled
+            and not self._calibrating()
+            and all(q.enabled for q in self.input_quantizers)
+        )
+
+    def _quantize_with_one_range(self, values):
+        """Quantizes the inputs of a Concatenate with one range, the largest
+        of their quantizers' (each set first from its input in training),
+        and stores it in each: TensorRT moves the inputs' DQs past a Concat
+        only when their scales are equal (`placement.qdq_role`)."""
+        training = _keras.call_training()
+        pairs = list(zip(self.input_indices, self.input_quantizers))
+        inputs = {i: keras.ops.cast(values[i], "float32") for i, _ in pairs}
+        ranges = [q.observe(inputs[i], training) for i, q in pairs]
+        amax = functools.reduce(keras.ops.maximum, ranges)
+        for i, q in pairs:
+            if training:
+                q.amax.assign(amax)
+            values[i] = _like(
+                q.quantize_with(inputs[i], amax, training), values[i]
+            )
+
+    def tie_input_ranges(self):
+        """Sets every input range of a layer whose inputs share one range
+        to the largest of them (after calibration)."""
+        if getattr(self, "shared_input_range", False):
+            ranges = [q.amax for q in self.input_quantizers]
+            amax = max(float(keras.ops.convert_to_numpy(a)) for a in ranges)
+            for a in ranges:
+                a.assign(amax)
 
     def _weight_mapping(self):
         """`(variable, fake-quantized value)` pairs for a StatelessScope."""

@@ -319,11 +319,7 @@ def test_placement_matches_golden(model_id, signatures):
 # keras_mp's own placement must lint clean: the layer table's conformance
 # samples and the zoo's fast subset (signatures shared with the golden test
 # above, so nothing is exported twice). Known gaps are strict xfails.
-LINT_CLEAN_GAPS = {
-    "layer_table_Concatenate": "each Concatenate input gets a range of its "
-    "own; TensorRT moves the DQs across a Concat only when they share one "
-    "scale (placement.qdq_role), so the Q/DQ fuse into nothing",
-}
+LINT_CLEAN_GAPS = {}
 
 
 @pytest.mark.parametrize(

@@ -259,10 +259,12 @@ def test_keras_hub_style_residual_add_exports_lint_clean(tmp_path):
     assert report.weighted_ops == report.weighted_ops_quantized == 3
 
 
-def _pooled(op, out_quantized, branches=1, same_scale=True):
+def _pooled(op, out_quantized, branches=1, same_scale=True, dq_late=False):
     """`branches` x (x -> Q/DQ -> Conv -> Q/DQ) [-> Concat] -> `op`
     [-> GlobalAveragePool] [-> Q/DQ] -> output, with `op` "AveragePool",
-    "MaxPool" (followed by a GlobalAveragePool) or "GlobalAveragePool"."""
+    "MaxPool" (followed by a GlobalAveragePool) or "GlobalAveragePool".
+    `dq_late`: each branch's Q feeds the Concat, one DQ after it (what
+    tf2onnx's optimizer makes of equal scales)."""
     shape = (1, 4, 6, 6)
     nodes, x_dq = _qdq("x", "x")
     inits = {
@@ -279,6 +281,8 @@ def _pooled(op, out_quantized, branches=1, same_scale=True):
         if not same_scale and b:
             for node in qdq:
                 node.input[1] = "s2"
+        if dq_late:
+            qdq, c_dq = qdq[:1], qdq[0].output[0]
         nodes += [w, conv, *qdq]
         outputs.append(c_dq)
     if branches > 1:
@@ -286,6 +290,13 @@ def _pooled(op, out_quantized, branches=1, same_scale=True):
             helper.make_node("Concat", outputs, ["cat"], "cat", axis=1)
         )
         outputs = ["cat"]
+        if dq_late:
+            nodes.append(
+                helper.make_node(
+                    "DequantizeLinear", ["cat", "s", "zp"], ["cat_dq"], "dq"
+                )
+            )
+            outputs = ["cat_dq"]
     kwargs = {"kernel_shape": [2, 2]} if op != "GlobalAveragePool" else {}
     nodes.append(helper.make_node(op, outputs, ["pool"], "pool", **kwargs))
     last = "pool"
@@ -339,3 +350,9 @@ def test_concat_inputs_commute_only_with_one_scale():
     assert _output_qdq(same) == []
     other = _pooled("GlobalAveragePool", True, branches=2, same_scale=False)
     assert _output_qdq(other) == ["q_c0", "q_c1"]
+    # The same with the one DQ moved past the Concat (tf2onnx does so for
+    # keras_mp's Concatenate, whose inputs share one range).
+    late = _pooled("GlobalAveragePool", True, 2, same_scale=True, dq_late=True)
+    assert _output_qdq(late) == []
+    late = _pooled("GlobalAveragePool", False, 2, same_scale=True, dq_late=True)
+    assert _output_qdq(late) == ["q_c0", "q_c1"]

@@ -320,3 +320,40 @@ def test_bad_input_and_upgrade_of_old_files():
     mixed = keras.Model([a, b], [old(a), q(b)], name="mixed")
     with pytest.raises(ValueError, match="nothing was changed. Upgrade the"):
         keras_mp.upgrade(mixed)
+
+
+def test_concatenate_inputs_share_one_range():
+    # TensorRT moves a Concat's input DQs past it only when their scales
+    # are equal: a Concatenate asked to quantize its inputs gives them one
+    # range, the largest, after calibration and from the first QAT batch.
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 8)).astype("float32")
+    inputs = keras.Input((8,))
+    small = L.Dense(4, name="small")(inputs)
+    large = L.Dense(4, name="large", kernel_initializer="ones")(inputs)
+    cat = L.Concatenate(name="cat")([small, large])
+    model = keras.Model(inputs, L.Dense(2, name="head")(cat))
+    config = {"cat": keras_mp.QuantizeConfig(quantize_inputs=True)}
+
+    def cat_ranges(q):
+        found = keras_mp.quantization.activation_quantizers(q)
+        return [float(found[f"cat/input_{i}"].amax) for i in (0, 1)]
+
+    q = keras_mp.quantize_model(model, config=config)
+    report = keras_mp.calibrate(q, x, method="max", verbose=0)
+    a, b = cat_ranges(q)
+    assert (
+        a
+        == b
+        == max(
+            report.observed_max["cat/input_0"],
+            report.observed_max["cat/input_1"],
+        )
+    )
+    assert report.ranges["cat/input_0"] == a
+
+    q = keras_mp.quantize_model(model, config=config)
+    q.compile(keras.optimizers.SGD(0.0), "mse")
+    q.fit(x, np.zeros((32, 2), "float32"), batch_size=32, verbose=0)
+    a, b = cat_ranges(q)
+    assert a == b > 0
