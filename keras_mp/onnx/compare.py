@@ -11,6 +11,7 @@ from keras_mp.onnx.compare_graph import FLOAT_TYPES, Graph, error, fits
 from keras_mp.onnx.compare_graph import run as run_onnx
 from keras_mp.onnx.compare_trace import keras_values, trace
 from keras_mp.quantization.layers import QuantizeActivation
+from keras_mp.quantization.legacy import check_current
 
 
 @dataclasses.dataclass
@@ -242,7 +243,9 @@ def compare_onnx(
     Raises:
         TypeError: not a Sequential or Functional Keras model.
         ValueError: the model was never called, `data` does not fit its
-            inputs, or the ONNX file is not an export of this model.
+            inputs, the ONNX file is not an export of this model, or the
+            model holds layers of an earlier keras_mp (`keras_mp.upgrade`
+            first).
         FileNotFoundError: no file at `onnx_path`.
 
     Example:
@@ -257,6 +260,7 @@ def compare_onnx(
         "Wrap it in a functional model: `x = keras.Input(shape); "
         "keras.Model(x, model(x))`.",
     )
+    check_current(model, "compare_onnx")  # old wrappers: upgrade first
     if not model.built or not model.inputs:
         raise ValueError(
             f"Model {model.name!r} has never been called, so it has no "

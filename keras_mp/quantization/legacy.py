@@ -279,19 +279,19 @@ class QuantizeWrapper(keras.layers.Wrapper):
 LEGACY_CLASSES = (QuantizeWrapper, QuantizeAnnotate)
 
 
-def legacy_layers(model):
-    """The `QuantizeWrapper` and `QuantizeAnnotate` layers inside `model`."""
-    return [
-        layer
-        for layer in _models.walk_layers(model, include_models=True)
-        if isinstance(layer, LEGACY_CLASSES)
-    ]
+def legacy_layers(model, layers=None):
+    """The `QuantizeWrapper` and `QuantizeAnnotate` layers inside `model`
+    (among `layers`, its walk, when given)."""
+    if layers is None:
+        layers = _models.walk_layers(model, include_models=True)
+    return [layer for layer in layers if isinstance(layer, LEGACY_CLASSES)]
 
 
-def check_current(model, caller):
+def check_current(model, caller, layers=None):
     """Raises a ValueError naming `caller` when `model` holds load-only
-    layers of an earlier keras_mp."""
-    found = legacy_layers(model)
+    layers of an earlier keras_mp (among `layers`, its walk, when
+    given)."""
+    found = legacy_layers(model, layers)
     if found:
         names = ", ".join(repr(layer.name) for layer in found[:4])
         raise ValueError(

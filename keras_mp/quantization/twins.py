@@ -284,10 +284,11 @@ def quantizers(model, caller="keras_mp"):
     """
     from keras_mp.quantization.legacy import check_current
 
-    check_current(model, caller)
-    found = []
     root = _models.contents(model)
-    for layer, parents in _models.walk_layers(root, with_parents=True):
+    walked = list(_models.walk_layers(root, with_parents=True))
+    check_current(model, caller, [layer for layer, _ in walked])
+    found = []
+    for layer, parents in walked:
         path = _models.layer_path(layer, parents)
         if is_quantized(layer):
             for key, q in layer.named_quantizers().items():
@@ -316,7 +317,10 @@ def set_quantization_enabled(model, enabled):
     >>> keras_mp.set_quantization_enabled(qmodel, False)  # float outputs
     """
     _models.check_model(model, "set_quantization_enabled")
-    owners = {id(q.layer): q.layer for q in quantizers(model)}
+    owners = {
+        id(q.layer): q.layer
+        for q in quantizers(model, "set_quantization_enabled")
+    }
     for owner in owners.values():
         owner.enabled = bool(enabled)
     _models.reset_compiled_functions(model)

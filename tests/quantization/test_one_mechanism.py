@@ -313,6 +313,12 @@ def test_bad_input_and_upgrade_of_old_files():
         new.predict(saved["x"], verbose=0), saved["y"], rtol=0, atol=1e-6
     )
 
+    # Functions that read quantizers ask for `upgrade` on old wrappers.
+    with pytest.raises(ValueError, match="upgrade"):
+        keras_mp.compare_onnx(old, "unused.onnx", saved["x"][:2])
+    with pytest.raises(ValueError, match="set_quantization_enabled.*upgrade"):
+        keras_mp.set_quantization_enabled(old, False)
+
     # Old wrappers beside layers quantized the current way: refused, with
     # the order that works.
     a = keras.Input(old.input_shape[1:])
