@@ -86,6 +86,9 @@ class TensorQuantizer(keras.layers.Layer):
         num_bits=None,
         **kwargs,
     ):
+        # Float32 math under mixed precision: a range or a scale rounded
+        # to float16 is not the one the export writes.
+        kwargs.setdefault("dtype", "float32")
         super().__init__(**kwargs)
         self.format = _resolve_format(format, num_bits)
         self.out_axes = tuple(int(a) for a in out_axes)
@@ -132,21 +135,22 @@ class TensorQuantizer(keras.layers.Layer):
             return inputs
         if not self.enabled:
             return inputs
-        return self.quantize_with(
-            inputs, self.observe(inputs, training), training
-        )
+        # float32 math, also for a quantizer saved with a float16 policy
+        x = keras.ops.cast(inputs, "float32")
+        out = self.quantize_with(x, self.observe(x, training), training)
+        return keras.ops.cast(out, inputs.dtype)
 
     def observe(self, inputs, training=None):
         """The range to quantize `inputs` with: `amax`, set first from
         `inputs` in training (the first batch's `max|x|`, or every batch's
         with `track_range`)."""
-        amax = self.amax
+        amax = _keras.float_value(self.amax)
         if training and self.track_range:
             amax = tensor_amax(inputs, self.out_axes)
             self.amax.assign(amax)
         elif training and not self.learned_range:
             # First training step without calibration: start from the batch.
-            amax = _first_batch_range(self.amax, inputs, self.out_axes)
+            amax = _first_batch_range(amax, inputs, self.out_axes)
             self.amax.assign(amax)
         return amax
 

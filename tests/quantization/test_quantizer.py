@@ -367,3 +367,22 @@ def test_a_new_format_is_one_row(monkeypatch):
     # Saved by name, loaded through the table.
     clone = keras_mp.QuantizeActivation.from_config(act.get_config())
     assert clone.format is TOY and clone.num_bits == 4
+
+
+@pytest.mark.parametrize("dtype", [None, "mixed_float16"])
+def test_standalone_activation_quantizer_trains_under_mixed_float16(dtype):
+    # A QuantizeActivation a user puts in a mixed_float16 model computes in
+    # float32 (its default policy), and one saved with a float16 policy
+    # (files of earlier releases) still trains: the range is read as
+    # float32 inside the autocast scope.
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    kwargs = {} if dtype is None else {"dtype": dtype}
+    qdq = keras_mp.QuantizeActivation(name="qdq", **kwargs)
+    inputs = keras.Input((8,))
+    x = qdq(keras.layers.Dense(8)(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(2, dtype="float32")(x))
+    model.compile("sgd", "mse")
+    x = np.random.default_rng(0).normal(size=(8, 8)).astype("float32")
+    model.fit(x, np.zeros((8, 2), "float32"), batch_size=8, verbose=0)
+    assert float(qdq.amax.numpy()) > 0
+    assert qdq.compute_dtype == ("float32" if dtype is None else "float16")
