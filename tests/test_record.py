@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import keras_mp
-from keras_mp import _models
+from keras_mp import _models, _record
 from tests.quantization.test_nested import Net
 
 L = keras.layers
@@ -71,7 +71,7 @@ def test_one_record_holds_quantization_and_masks(pruned_and_quantized):
     assert isinstance(q, keras_mp.RecordedModel)
     assert not isinstance(q.model, keras_mp.RecordedModel)  # not nested
     record = q.get_config()["record"]
-    assert record["version"] == _models.RECORD_VERSION
+    assert record["version"] == _record.RECORD_VERSION
     assert {"quantization", "sparsity"} <= set(record)
     assert len(record["layers"]) == len(record["paths"])
     walked = _models.walk(q.model)
@@ -135,7 +135,7 @@ def _record_config():
 
 def test_record_from_a_newer_keras_mp_is_refused():
     config = _record_config()
-    config["record"]["version"] = _models.RECORD_VERSION + 1
+    config["record"]["version"] = _record.RECORD_VERSION + 1
     with pytest.raises(ValueError, match="record has version 3; this"):
         keras_mp.RecordedModel.from_config(config)
 

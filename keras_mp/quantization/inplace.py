@@ -4,14 +4,14 @@ The model is copied once through its config (or, with `in_place=True`,
 taken as it is), the selected layers become their quantized twins where
 they are (`twins.py`), keeping their names, by a recipe (`recipe.py`, with
 the placement of `placement.py`), and the result is a `keras_mp.RecordedModel`
-(`_models.py`), whose record holds the quantized layers (`model.py`).
+(`_record.py`), whose record holds the quantized layers (`model.py`).
 """
 
 import warnings
 
 import keras
 
-from keras_mp import _keras, _models, layer_table
+from keras_mp import _keras, _models, _record, layer_table
 from keras_mp.quantization.config import QuantizeConfig
 from keras_mp.quantization.layers import quantizable_row
 from keras_mp.quantization.recipe import apply_recipe, make_recipe
@@ -191,7 +191,7 @@ def quantize_in_place(
     if not recipe.entries:
         raise _nothing_to_quantize(model, layers)
     apply_recipe(target, recipe)
-    qmodel = _models.RecordedModel(target, name=model.name)
+    qmodel = _record.RecordedModel(target, name=model.name)
     if in_place:
         _warn_if_unsaveable(qmodel)
     return qmodel

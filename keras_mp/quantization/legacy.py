@@ -15,7 +15,7 @@ Migration notes: `docs/migration.md`.
 import keras
 import tensorflow as tf
 
-from keras_mp import _models, layer_table
+from keras_mp import _models, _record, layer_table
 from keras_mp.layer_table import ALL_INPUTS, NO_INPUTS
 from keras_mp.quantization.config import QuantizeConfig
 from keras_mp.quantization.layers import QuantizeActivation, quantizable_row
@@ -422,4 +422,4 @@ def upgrade(model):
             twin.weight_quantizers, source.weight_ranges
         ):
             new.amax.assign(amax)
-    return _models.RecordedModel(floats, name=model.name)
+    return _record.RecordedModel(floats, name=model.name)

@@ -1,4 +1,4 @@
-"""The quantization section of the one record (`_models.RecordedModel`),
+"""The quantization section of the one record (`_record.RecordedModel`),
 and `QuantizedModel`, the container of earlier keras_mp (load only).
 
 The record names every quantized layer by its index in the walk, with its
@@ -7,11 +7,9 @@ rebuilds the float model, turns those layers into their quantized twins
 again (`recipe.attach`), and only then do the weights and ranges load.
 """
 
-import warnings
-
 import keras
 
-from keras_mp import _models
+from keras_mp import _models, _record
 from keras_mp.quantization import twins
 from keras_mp.quantization.layers import quantizable_row
 from keras_mp.quantization.recipe import Recipe, apply_entries, apply_recipe
@@ -50,20 +48,20 @@ def apply_quantization_record(model, record, walked):
     apply_entries(walked, record["entries"])
 
 
-_models.register_section(
+_record.register_section(
     "quantization", quantization_record, apply_quantization_record, order=20
 )
 
 
 @keras.saving.register_keras_serializable(package="keras_mp")
-class QuantizedModel(_models.RecordedModel):
+class QuantizedModel(_record.LoadOnlyContainer):
     """The quantized model container of keras_mp before one record held
     every kind of state: kept so that its files load.
 
     Loading such a file (`keras.saving.load_model(path, safe_mode=True)`)
     gives a `keras_mp.RecordedModel` with the same layers, ranges and
-    outputs. `keras_mp.quantize_model` returns a `RecordedModel`; so does
-    this constructor's replacement, `keras_mp.RecordedModel(model)`.
+    outputs. `keras_mp.quantize_model` returns a `RecordedModel`, and
+    `keras_mp.RecordedModel(model)` wraps a model quantized in place.
 
     Args:
         model: the `keras.Model` quantized in place.
@@ -71,20 +69,11 @@ class QuantizedModel(_models.RecordedModel):
         **kwargs: `name`, `trainable`.
     """
 
-    def __init__(self, model, recipe=None, **kwargs):
-        warnings.warn(
-            "`keras_mp.QuantizedModel` is load-only: "
-            "`keras_mp.quantize_model` returns a `keras_mp.RecordedModel`, "
-            "and `keras_mp.RecordedModel(model)` wraps a model quantized in "
-            "place. This one saves as a RecordedModel.",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        super().__init__(model, **kwargs)
+    REPLACEMENT = (
+        "`keras_mp.quantize_model` returns a `keras_mp.RecordedModel`, and "
+        "`keras_mp.RecordedModel(model)` wraps a model quantized in place."
+    )
 
     @classmethod
-    def apply_saved_record(cls, model, config):
-        if "record" in config:  # saved by this keras_mp
-            _models.apply_record(model, config["record"])
-            return
+    def apply_old_record(cls, model, config):
         apply_recipe(model, Recipe.from_config(config["recipe"]))

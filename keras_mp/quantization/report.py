@@ -3,7 +3,7 @@
 import keras
 import numpy as np
 
-from keras_mp import _keras, _models, layer_table
+from keras_mp import _keras, _models, _record, layer_table
 from keras_mp.layer_table import NO_INPUTS, SKIP_INPUTS
 from keras_mp.quantization import twins
 from keras_mp.quantization.layers import quantizable_row
@@ -91,7 +91,7 @@ def quantization_report(model, verbose=True):
     _models.check_model(model, "quantization_report")
     check_current(model, "quantization_report")
     rows = []
-    root = _models.contents(model)
+    root = _record.contents(model)
     for layer, parents in _models.walk_layers(root, with_parents=True):
         if isinstance(layer, keras.layers.InputLayer):
             continue

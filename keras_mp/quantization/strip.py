@@ -1,6 +1,6 @@
 """`strip_quantization`: back from a quantized model to a float one."""
 
-from keras_mp import _models
+from keras_mp import _models, _record
 from keras_mp.quantization.legacy import check_current
 
 
@@ -30,7 +30,7 @@ def strip_quantization(model):
     """
     _models.check_model(model, "strip_quantization")
     check_current(model, "strip_quantization")
-    inner = _models.contents(model)
+    inner = _record.contents(model)
     return _models.copy_model(
         inner,
         "strip_quantization",

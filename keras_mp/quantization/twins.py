@@ -17,7 +17,7 @@ import inspect
 
 import keras
 
-from keras_mp import _keras, _models
+from keras_mp import _keras, _models, _record
 from keras_mp.quantization.quantizer import TensorQuantizer
 from keras_mp.quantization.separable import separable_conv
 
@@ -284,7 +284,7 @@ def quantizers(model, caller="keras_mp"):
     """
     from keras_mp.quantization.legacy import check_current
 
-    root = _models.contents(model)
+    root = _record.contents(model)
     walked = list(_models.walk_layers(root, with_parents=True))
     check_current(model, caller, [layer for layer, _ in walked])
     found = []

@@ -4,7 +4,7 @@ import warnings
 
 import keras
 
-from keras_mp import _keras, _models
+from keras_mp import _keras, _models, _record
 from keras_mp.sparsity.masks import (
     SCHEDULES,
     SparsityMask,
@@ -289,7 +289,7 @@ class StructuredSparsity(keras.callbacks.Callback):
         )
 
     def _warn_if_not_saved(self, model):
-        if isinstance(model, _models.RecordedModel):
+        if isinstance(model, _record.RecordedModel):
             return  # its config records every mask
         masked = {id(kernel) for kernel, _ in self._targets}
         lost = [

@@ -2,7 +2,7 @@
 
 import keras
 
-from keras_mp import _keras, _models, layer_table
+from keras_mp import _keras, _models, _record, layer_table
 from keras_mp.selection import layer_matcher
 from keras_mp.sparsity.masks import SparsityMask, value
 
@@ -149,7 +149,7 @@ def strip_sparsity(model):
     >>> deploy.export("model", format="onnx")  # doctest: +SKIP
     """
     _models.check_model(model, "strip_sparsity")
-    model = _models.contents(model)  # a container only saves the masks
+    model = _record.contents(model)  # a container only saves the masks
     if _keras.is_plain_graph_model(model):
         clone = keras.models.clone_model(
             model,

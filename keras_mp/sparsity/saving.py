@@ -1,4 +1,4 @@
-"""The 2:4 masks' section of the one record (`_models.RecordedModel`), and
+"""The 2:4 masks' section of the one record (`_record.RecordedModel`), and
 `SparseModel`, the container of earlier keras_mp (load only).
 
 Keras rebuilds a custom layer's sublayers (and a subclassed model's or a
@@ -9,11 +9,9 @@ settings; loading rebuilds the model, attaches the masks, and only then do
 the weights and the mask variables load.
 """
 
-import warnings
-
 import keras
 
-from keras_mp import _models, layer_table
+from keras_mp import _models, _record, layer_table
 from keras_mp.sparsity.masks import SparsityMask
 
 
@@ -35,7 +33,7 @@ def attach_mask(layer, mask):
 
 
 def mask_record(model, walked):
-    """The sparsity section of the record (`_models.make_record`):
+    """The sparsity section of the record (`_record.make_record`):
     `{"masks": [{"index", "mask"}]}`, each masked kernel's layer by its
     index in `walked`; None when no kernel has a mask."""
     masks = []
@@ -59,7 +57,7 @@ def _attach_saved(layer, config):
     attach_mask(layer, SparsityMask(**config))
 
 
-_models.register_section("sparsity", mask_record, apply_masks, order=10)
+_record.register_section("sparsity", mask_record, apply_masks, order=10)
 
 
 def apply_legacy_mask_record(model, record):
@@ -86,7 +84,7 @@ def apply_legacy_mask_record(model, record):
 
 
 @keras.saving.register_keras_serializable(package="keras_mp")
-class SparseModel(_models.RecordedModel):
+class SparseModel(_record.LoadOnlyContainer):
     """The 2:4 mask container of keras_mp before one record held every
     kind of state: kept so that its files load.
 
@@ -100,19 +98,11 @@ class SparseModel(_models.RecordedModel):
         **kwargs: `name`, `trainable`.
     """
 
-    def __init__(self, model, **kwargs):
-        warnings.warn(
-            "`keras_mp.SparseModel` is load-only: wrap the model in "
-            "`keras_mp.RecordedModel(model)`, which saves its 2:4 masks (and "
-            "any other keras_mp state). This one saves as a RecordedModel.",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        super().__init__(model, **kwargs)
+    REPLACEMENT = (
+        "wrap the model in `keras_mp.RecordedModel(model)`, which saves its "
+        "2:4 masks (and any other keras_mp state)."
+    )
 
     @classmethod
-    def apply_saved_record(cls, model, config):
-        if "record" in config:  # saved by this keras_mp
-            _models.apply_record(model, config["record"])
-            return
+    def apply_old_record(cls, model, config):
         apply_legacy_mask_record(model, config["sparsity"])

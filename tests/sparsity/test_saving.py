@@ -7,7 +7,7 @@ import keras
 import numpy as np
 import pytest
 
-from keras_mp import RecordedModel, _models
+from keras_mp import RecordedModel, _record
 from keras_mp.sparsity import (
     StructuredSparsity,
     sparse_layers,
@@ -96,7 +96,7 @@ def test_record_of_another_model_is_rejected():
         StructuredSparsity().set_model(net)
     other = _block_model()
     with pytest.raises(ValueError, match="does not have the layers its rec"):
-        _models.apply_record(other, _models.make_record(net))
+        _record.apply_record(other, _record.make_record(net))
 
 
 @pytest.mark.slow
