@@ -17,6 +17,7 @@ from keras_mp.muppet.layers import (
     FixedPointWrapper,
     PrecisionState,
 )
+from keras_mp.muppet.legacy import upgrade_fixed_point
 from keras_mp.muppet.model import (
     fixed_point_layers,
     fixed_point_model,
@@ -31,3 +32,9 @@ from keras_mp.muppet.policy import (
     switching_threshold,
 )
 from keras_mp.muppet.quantizer import fixed_point_quantize
+from keras_mp.muppet.twins import (
+    FixedPointLayer,
+    FixedPointState,
+    fixed_point_twin_class,
+    is_fixed_point,
+)

@@ -241,23 +241,26 @@ class FixedPointWrapper(_RandomStateMixin, keras.layers.Wrapper):
         return {**super().get_config(), "seed": self.seed}
 
 
-def unscale_recorded_gradients(wrappers, optimizer):
-    """Makes `wrappers` record gradients divided by `optimizer`'s loss scale.
+def unscale_recorded_gradients(layers, optimizer):
+    """Makes `layers` record gradients divided by `optimizer`'s loss scale.
 
     The scale is read in the training graph at each step, so a training
     function traced before this call keeps the old behaviour.
 
     Args:
-        wrappers: iterable of `FixedPointWrapper`.
+        layers: iterable of fixed-point layers that record gradients
+            (fixed-point twins, `FixedPointWrapper`s).
         optimizer: the model's optimizer, or None.
 
     Returns:
-        bool. Whether any wrapper changed: the training function must then
+        bool. Whether any layer changed: the training function must then
         be traced again (`keras_mp._models.reset_compiled_functions`).
     """
     source = optimizer if _scales_loss(optimizer) else None
     changed = False
-    for wrapper in wrappers:
+    for layer in layers:
+        # A twin keeps the setting in its state layer.
+        wrapper = getattr(layer, "fixed_point", layer)
         current = wrapper._loss_scale
         if (current.optimizer if current else None) is not source:
             wrapper._loss_scale = _LossScale(source) if source else None
