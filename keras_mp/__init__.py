@@ -21,6 +21,7 @@ from keras_mp._keras import check_versions as _check_versions
 
 _check_versions()
 
+from keras_mp._models import RecordedModel
 from keras_mp.datasets import (
     load_digits,
     load_fashion_mnist,

@@ -1,8 +1,10 @@
-"""One model check, one layer walker, one way to reset compiled functions,
-and the base of the containers that save a record beside a model's config."""
+"""One model check, one layer walker, one model copier, one way to reset
+compiled functions, and the one container that saves a model's config with
+one record of its keras_mp state (quantization, 2:4 masks, MuPPET)."""
 
 import contextlib
 import copy
+import dataclasses
 import json
 import os
 
@@ -201,15 +203,18 @@ def structure(model):
     return [class_name(layer) for layer, _ in walk(model)]
 
 
-def check_structure(model, expected, what, record):
+def check_structure(model, expected, what, record, paths=None):
     """Raises a ValueError unless `structure(model)` is `expected`, naming
     the first difference; `what` says who asks, `record` what was made for
-    the other model ("the quantization recipe")."""
+    the other model ("the quantization recipe"), `paths` (optional) the
+    recorded layer paths, to say which layer was expected there."""
     found = structure(model)
     difference = first_difference(found, expected)
     if difference is None:
         return
     where, got, want = difference
+    if paths is not None and where < len(paths):
+        want = f"{want} {paths[where]!r}"
     raise ValueError(
         f"{what}: model {model.name!r} does not have the layers {record} "
         f"was made for (layer {where} of its walk is {got}, expected "
@@ -350,38 +355,154 @@ def contents(model):
     return model.model if isinstance(model, RecordedModel) else model
 
 
+# The record: one per saved model, one section per kind of state.
+RECORD_VERSION = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Section:
+    """One kind of keras_mp state in the record (`register_section`)."""
+
+    name: str
+    order: int
+    record: object  # (model, walked) -> JSON-able dict, or None
+    apply: object  # (model, record, walked) -> None
+
+
+_SECTIONS = {}
+
+
+def register_section(name, record, apply, order):
+    """Adds a kind of state to the one record `RecordedModel` saves.
+
+    Args:
+        name: str. The record's key (`"sparsity"`, `"quantization"`,
+            `"muppet"`).
+        record: `(model, walked) -> dict or None`: the state of `model`,
+            its layers named by their index in `walked` (`walk(model)`);
+            None when `model` holds none of it.
+        apply: `(model, record, walked) -> None`: sets that state again
+            on the float model rebuilt from its config, before its weights
+            load.
+        order: int. Sections apply in increasing order (2:4 masks, which
+            constrain float weights, before quantization, which switches
+            classes).
+    """
+    _SECTIONS[name] = Section(name, order, record, apply)
+
+
+def _sections():
+    return sorted(_SECTIONS.values(), key=lambda s: s.order)
+
+
+_RECORD_KEYS = ("version", "layers", "paths")
+
+
+def make_record(model):
+    """The record of every keras_mp state inside `model`, one walk for all:
+    `{"version", "layers": class names, "paths": layer paths, <section>:
+    ...}` (sections with no state left out)."""
+    walked = walk(model)
+    record = {
+        "version": RECORD_VERSION,
+        "layers": [class_name(layer) for layer, _ in walked],
+        "paths": [layer_path(layer, parents) for layer, parents in walked],
+    }
+    for section in _sections():
+        state = section.record(model, walked)
+        if state:
+            record[section.name] = state
+    return record
+
+
+def apply_record(model, record):
+    """Sets on the float `model` every state `record` (`make_record`) holds.
+
+    The record names layers by their index in the walk; the class names
+    must match, and the recorded paths say, in an error, which layer the
+    index meant. (Paths are not required to match: layers that custom
+    layers create without a name get a new automatic name per process.)
+
+    Raises:
+        ValueError: the record is of a newer keras_mp, has a section this
+            one does not know, or was made for another model.
+    """
+    version = record.get("version")
+    if version != RECORD_VERSION:
+        raise ValueError(
+            f"Model {model.name!r}: its keras_mp record has version "
+            f"{version!r}; this keras_mp reads version {RECORD_VERSION}. "
+            "Load it with the keras_mp that saved it (or a newer one)."
+        )
+    unknown = sorted(set(record) - set(_RECORD_KEYS) - set(_SECTIONS))
+    if unknown:
+        raise ValueError(
+            f"Model {model.name!r}: its keras_mp record holds state this "
+            f"keras_mp does not know ({', '.join(unknown)}). Load it with "
+            "the keras_mp that saved it (or a newer one)."
+        )
+    check_structure(
+        model, record["layers"], "Loading", "its record", record.get("paths")
+    )
+    walked = walk(model)
+    for section in _sections():
+        if section.name in record:
+            section.apply(model, record[section.name], walked)
+
+
+@keras.saving.register_keras_serializable(package="keras_mp")
 class RecordedModel(keras.Model):
-    """Base of the containers that save a model as its config plus a record
-    that `from_config` re-applies before the weights load (`QuantizedModel`:
-    the quantization recipe; `SparseModel`: the 2:4 masks).
+    """A model with keras_mp state at any depth, saved with one record.
 
-    Keras rebuilds a custom layer's sublayers (and a subclassed model's or a
-    keras-hub backbone's) from their parent's code, so what keras_mp set on
-    them in place is not in any config. The container is a Functional model
-    calling the inner model (`self.model`) on fresh inputs; its config is
-    `{"name", "trainable", "model", <RECORD_KEY>: record}`. `get_config`
-    (and `save`, before any file is opened) rebuilds the inner model from
-    that config and applies the record, as loading will, so a model that
-    cannot be rebuilt fails at save time with what to do, never at load
-    time with its state missing.
+    `keras_mp.quantize_model` returns one, and so does
+    `keras_mp.fixed_point_model`; wrap a pruned model in one yourself to
+    save its 2:4 masks (`RecordedModel(model).save(path)`). It calls the
+    model it holds (`self.model`) on fresh inputs, with the same output
+    names, and `get_layer` finds that model's layers by name.
 
-    A subclass sets `RECORD_KEY` and `SAVED_WHAT` (words for the error:
-    "with its 2:4 masks"), and implements `record()`, `apply_record(model,
-    record)` (a classmethod) and `reload_hint()` (where saved weights go
-    instead, for the error); it may override `inner_config()` and
-    `_from_inner`.
+    Keras rebuilds a custom layer's sublayers (and a subclassed model's or
+    a keras-hub backbone's) from their parent's code, so what keras_mp set
+    on them in place (quantized layers and their ranges, 2:4 masks,
+    fixed-point layers) is not in any config. Saved, the container's
+    config is the float model's config plus one versioned record of all
+    of that state, the layers named by their position in one walk
+    (`walk`), with their class names and paths as a cross-check
+    (`make_record`); loading rebuilds the float model, applies the record,
+    and only then loads the weights, ranges and masks, so
+    `keras.saving.load_model(path, safe_mode=True)` gives the same model.
+    `get_config` (and `save`, before any file is opened) rebuilds the
+    model from that config and applies the record, as loading will, so a
+    model that cannot be rebuilt fails at save time with what to do, never
+    at load time with its state missing.
+
+    Args:
+        model: a built `keras.Model` (a subclassed one needs a
+            `get_config()` returning its constructor arguments and a
+            registered class to be saved).
+        **kwargs: `name`, `trainable`.
+
+    Raises:
+        ValueError: at save time (`get_config`), when `model` cannot be
+            rebuilt from its config as the same model.
+
+    Example:
+
+    >>> qmodel = keras_mp.quantize_model(model)  # a RecordedModel
+    >>> qmodel.save("q.keras")  # doctest: +SKIP
+    >>> keras.saving.load_model("q.keras")  # doctest: +SKIP
     """
 
-    RECORD_KEY = None
-    SAVED_WHAT = None
-
     def __init__(self, model, **kwargs):
+        model = contents(model)
         inputs = symbolic_inputs(model)
         super().__init__(inputs=inputs, outputs=model(inputs), **kwargs)
         self._rebuilt_config = None
         # The inner model's output names (its output layers'), so `loss`
-        # and `metrics` dicts and exported outputs are keyed as for it.
-        names = getattr(model, "output_names", None)
+        # and `metrics` dicts and exported outputs are keyed as for it (a
+        # Sequential model keeps them on the Functional model it builds).
+        names = getattr(model, "output_names", None) or getattr(
+            getattr(model, "_functional", None), "output_names", None
+        )
         if names and len(names) == len(self.output_names):
             self.output_names = list(names)
 
@@ -402,16 +523,23 @@ class RecordedModel(keras.Model):
             layer for layer in self.layers if isinstance(layer, keras.Model)
         )
 
-    def inner_config(self):
-        """The serialized inner model, as `from_config` rebuilds it."""
-        return keras.saving.serialize_keras_object(self.model)
+    def float_config(self):
+        """The serialized inner model, its keras_mp layers in their float
+        classes (as `from_config` rebuilds it before applying the
+        record)."""
+        with float_classes(self.model):
+            return keras.saving.serialize_keras_object(self.model)
+
+    def record(self):
+        """The record of the inner model's keras_mp state (`make_record`)."""
+        return make_record(self.model)
 
     def get_config(self):
         config = {
             "name": self.name,
             "trainable": self.trainable,
-            "model": self.inner_config(),
-            self.RECORD_KEY: self.record(),
+            "model": self.float_config(),
+            "record": self.record(),
         }
         self._check_rebuild(config)
         return config
@@ -455,26 +583,28 @@ class RecordedModel(keras.Model):
             )
             if not rebuilt.built:
                 rebuilt.build_from_config(inner.get_build_config())
-            self.apply_record(rebuilt, config[self.RECORD_KEY])
+            apply_record(rebuilt, config["record"])
         except Exception as e:  # any layer's from_config can fail its own way
             raise ValueError(
-                f"Model {self.name!r} cannot be saved {self.SAVED_WHAT}: "
-                f"{inner.name!r} ({cls}) cannot be rebuilt from its config "
-                f"as loading would ({type(e).__name__}: {e}). Give {cls} a "
-                "`get_config()` returning its constructor arguments and "
-                "register it with "
+                f"Model {self.name!r} cannot be saved with its keras_mp "
+                f"state: {inner.name!r} ({cls}) cannot be rebuilt from its "
+                f"config as loading would ({type(e).__name__}: {e}). Give "
+                f"{cls} a `get_config()` returning its constructor arguments "
+                "and register it with "
                 "`keras.saving.register_keras_serializable()`; or save the "
                 "weights only (`model.save_weights(path)`) and load them "
-                f"{self.reload_hint()}."
+                "into a model prepared again by the same calls "
+                "(`quantize_model`, `StructuredSparsity(...).set_model`, "
+                "`fixed_point_model`)."
             ) from e
         want = [tuple(v.shape) for v in inner.weights]
         got = [tuple(v.shape) for v in rebuilt.weights]
         if want != got:
             raise ValueError(
-                f"Model {self.name!r} cannot be saved {self.SAVED_WHAT}: "
-                f"{inner.name!r} rebuilt from its config has {len(got)} "
-                f"variables, not the {len(want)} it has now (its config "
-                "does not describe all of its layers). Make its "
+                f"Model {self.name!r} cannot be saved with its keras_mp "
+                f"state: {inner.name!r} rebuilt from its config has "
+                f"{len(got)} variables, not the {len(want)} it has now (its "
+                "config does not describe all of its layers). Make its "
                 "`get_config()` return every constructor argument, or save "
                 "the weights only (`model.save_weights(path)`)."
             )
@@ -485,15 +615,15 @@ class RecordedModel(keras.Model):
         inner = keras.saving.deserialize_keras_object(
             config["model"], custom_objects=custom_objects
         )
-        record = config[cls.RECORD_KEY]
-        cls.apply_record(inner, record)
-        return cls._from_inner(
+        cls.apply_saved_record(inner, config)
+        return RecordedModel(
             inner,
-            record,
             name=config["name"],
             trainable=config.get("trainable", True),
         )
 
     @classmethod
-    def _from_inner(cls, inner, record, **kwargs):
-        return cls(inner, **kwargs)
+    def apply_saved_record(cls, model, config):
+        """Applies the record of a saved `config` to the rebuilt `model`
+        (the load-only classes of earlier keras_mp read theirs)."""
+        apply_record(model, config["record"])

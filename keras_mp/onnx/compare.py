@@ -199,7 +199,7 @@ def compare_onnx(
 
     Every layer inside the model is reached: the layers of nested models,
     the layers inside custom layers and keras-hub backbones, the layers of
-    a `QuantizedModel` or `SparseModel` (`compare_trace.reachable`). The
+    a `keras_mp.RecordedModel` (`compare_trace.reachable`). The
     model is traced as the export traced it, with each layer call's
     output fetched; tf2onnx named the ONNX tensors after the same
     TensorFlow name scopes, so each call is matched to the ONNX tensor of
@@ -221,8 +221,8 @@ def compare_onnx(
     initializer, checked at their layer's output.
 
     Args:
-        model: a Sequential or Functional `keras.Model` (a `QuantizedModel`
-            or `SparseModel` included), called: the model that was
+        model: a Sequential or Functional `keras.Model` (a
+            `keras_mp.RecordedModel` included), called: the model that was
             exported.
         onnx_path: str. The file `keras_mp.export_onnx` wrote for `model`.
         data: NumPy array of inputs; for several inputs, a list in

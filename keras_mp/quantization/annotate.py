@@ -103,7 +103,7 @@ def quantize_annotate_model(model, layers=None, config=None):
 def quantize_apply(model):
     """Quantizes every annotated layer.
 
-    Returns a `keras_mp.QuantizedModel` holding a copy of `model` whose
+    Returns a `keras_mp.RecordedModel` holding a copy of `model` whose
     annotated layers are quantized in place (same names, weights and layer
     state); weight ranges are set from the weights. Activation ranges
     start at 0 (not calibrated): run `keras_mp.calibrate` (PTQ) before
@@ -114,7 +114,7 @@ def quantize_apply(model):
             `quantize_annotate_layer`.
 
     Returns:
-        The quantized `keras_mp.QuantizedModel`.
+        The quantized `keras_mp.RecordedModel`.
 
     Raises:
         ValueError: nothing is annotated, the model is already quantized or
@@ -133,7 +133,7 @@ def quantize_model(model, config=None, layers=None, in_place=False):
     layers, inside `MultiHeadAttention`). The selected layers of a copy of
     `model` are quantized where they are and keep their names, so outputs,
     `loss` dict keys, `get_layer(name)` and the ONNX input and output names
-    are the float model's. The result is a `keras_mp.QuantizedModel`, which
+    are the float model's. The result is a `keras_mp.RecordedModel`, which
     saves as `.keras` and loads with `safe_mode=True`.
 
     Args:
@@ -148,7 +148,7 @@ def quantize_model(model, config=None, layers=None, in_place=False):
             Defaults to False.
 
     Returns:
-        A `keras_mp.QuantizedModel` ready for `keras_mp.calibrate`.
+        A `keras_mp.RecordedModel` ready for `keras_mp.calibrate`.
 
     Raises:
         ValueError: the model is already quantized, was never built, has

@@ -3,8 +3,8 @@
 The model is copied once through its config (or, with `in_place=True`,
 taken as it is), the selected layers become their quantized twins where
 they are (`twins.py`), keeping their names, by a recipe (`recipe.py`, with
-the placement of `placement.py`), and the result is a `QuantizedModel`
-(`model.py`) that saves that recipe.
+the placement of `placement.py`), and the result is a `keras_mp.RecordedModel`
+(`_models.py`), whose record holds the quantized layers (`model.py`).
 """
 
 import warnings
@@ -14,7 +14,6 @@ import keras
 from keras_mp import _keras, _models, layer_table
 from keras_mp.quantization.config import QuantizeConfig
 from keras_mp.quantization.layers import quantizable_row
-from keras_mp.quantization.model import QuantizedModel
 from keras_mp.quantization.recipe import apply_recipe, make_recipe
 from keras_mp.selection import layer_matcher
 
@@ -129,10 +128,28 @@ def choose(model, layers=None, config=None, annotated=False):
 
 
 def _nothing_to_quantize(model, layers):
+    """The ValueError when no layer was selected, naming the layers that
+    `layers` did match (e.g. an LSTM, whose cell holds no quantizable
+    layer)."""
+    matched = ""
+    if layers is not None:
+        match = layer_matcher(layers)
+        found = [
+            f"{layer.name} ({type(layer).__name__})"
+            for layer, _ in _models.walk(model)
+            if match(layer) and not isinstance(layer, keras.layers.InputLayer)
+        ]
+        if found:
+            shown = ", ".join(found[:8]) + (", ..." if len(found) > 8 else "")
+            matched = (
+                f" It matches {shown}: neither these types nor any layer "
+                "inside them can be quantized."
+            )
     return ValueError(
         f"No quantizable layer in model {model.name!r} matches "
-        f"layers={layers!r}. Supported types: "
-        f"{', '.join(layer_table.quantizable_names())}."
+        f"layers={layers!r}.{matched} Supported types: "
+        f"{', '.join(layer_table.quantizable_names())}. Nothing was "
+        "quantized."
     )
 
 
@@ -155,7 +172,7 @@ def quantize_in_place(
     """Quantizes `model` (a copy of it, unless `in_place`) in place.
 
     Returns:
-        A `QuantizedModel`.
+        A `keras_mp.RecordedModel`.
     """
     caller = "quantize_apply" if annotated else "quantize_model"
     choices = choose(model, layers, config, annotated)
@@ -174,7 +191,7 @@ def quantize_in_place(
     if not recipe.entries:
         raise _nothing_to_quantize(model, layers)
     apply_recipe(target, recipe)
-    qmodel = QuantizedModel(target, recipe, name=model.name)
+    qmodel = _models.RecordedModel(target, name=model.name)
     if in_place:
         _warn_if_unsaveable(qmodel)
     return qmodel

@@ -338,7 +338,7 @@ def upgrade(model):
     quantized in place holds `QuantizeWrapper` layers named
     `quant_<name>`; one annotated by the old `quantize_annotate_layer`
     holds `QuantizeAnnotate` layers. `upgrade` gives the model keras_mp
-    makes today: a `keras_mp.QuantizedModel` whose layers have their own
+    makes today: a `keras_mp.RecordedModel` whose layers have their own
     names, with the same placement, weights and ranges (same outputs); for
     an annotated model, a float model whose layers carry the annotation,
     ready for `keras_mp.quantize_apply`.
@@ -361,7 +361,6 @@ def upgrade(model):
     >>> qmodel.save("quantized.keras")  # doctest: +SKIP
     """
     from keras_mp.quantization import inplace, twins
-    from keras_mp.quantization.model import QuantizedModel
     from keras_mp.quantization.recipe import Recipe, apply_recipe
 
     _models.check_model(model, "upgrade")
@@ -373,12 +372,15 @@ def upgrade(model):
             "to upgrade. A float model is quantized with "
             "`keras_mp.quantize_model(model)`."
         )
-    if isinstance(model, QuantizedModel) or twins.quantized_layers(model):
+    if twins.quantized_layers(model):
         raise ValueError(
             f"`upgrade`: model {model.name!r} holds both layers of an earlier "
             "keras_mp (QuantizeWrapper/QuantizeAnnotate) and layers quantized "
-            "the current way; keras_mp never builds such a model. Strip the "
-            "old layers (`keras_mp.strip_quantization`) and quantize again."
+            "the current way; keras_mp never builds such a model, and "
+            "nothing was changed. Upgrade the old model on its own first "
+            "(`keras_mp.upgrade(old)` on the model loaded from its file), "
+            "then quantize more layers of it, or of the float model "
+            "`keras_mp.strip_quantization(upgraded)` gives back."
         )
     floats, sources = _unwrapped_copy(model)
     walked = _models.walk(floats)
@@ -421,4 +423,4 @@ def upgrade(model):
             twin.weight_quantizers, source.weight_ranges
         ):
             new.amax.assign(amax)
-    return QuantizedModel(floats, recipe, name=model.name)
+    return _models.RecordedModel(floats, name=model.name)

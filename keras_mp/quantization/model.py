@@ -1,75 +1,105 @@
-"""`QuantizedModel`: a model quantized in place, saved as its float config
-plus the quantization recipe.
+"""The quantization section of the one record (`_models.RecordedModel`),
+and `QuantizedModel`, the container of earlier keras_mp (load only).
 
-Keras rebuilds a custom layer's sublayers from the custom layer's own code,
-so quantized twins inside it would come back as float layers on load.
-This container's config is the float model's config and the recipe; its
-`from_config` rebuilds the float model, applies the recipe, and only then
-do the weights load, quantizer ranges included. A model that cannot be
-rebuilt from its config fails at save time, never silently on load.
+The record names every quantized layer by its index in the walk, with its
+`QuantizeConfig`, its Q/DQ placement and the quantizers turned off; loading
+rebuilds the float model, turns those layers into their quantized twins
+again (`recipe.attach`), and only then do the weights and ranges load.
 """
+
+import warnings
 
 import keras
 
 from keras_mp import _models
-from keras_mp.quantization.recipe import Recipe, apply_recipe
+from keras_mp.quantization import twins
+from keras_mp.quantization.config import QuantizeConfig
+from keras_mp.quantization.layers import quantizable_row
+from keras_mp.quantization.recipe import Recipe, apply_recipe, attach
+
+
+def quantization_record(model, walked):
+    """`{"entries": [...]}`: one entry per quantized layer of `walked` (its
+    `index`, `class_name`, `config`, `inputs`, and `calls` for a shared
+    layer, `off` for quantizers turned off); None when there is none."""
+    entries = []
+    for index, (layer, _) in enumerate(walked):
+        if not twins.is_quantized(layer):
+            continue
+        attention = quantizable_row(layer).attention
+        entry = {
+            "index": index,
+            "class_name": _models.class_name(layer),
+            "config": layer.quantize_config.get_config(),
+            "inputs": list(
+                layer.input_names if attention else layer.input_indices
+            ),
+        }
+        if layer.quantize_calls > 1:
+            entry["calls"] = layer.quantize_calls
+        if not layer.enabled:
+            entry["enabled"] = False
+        off = [k for k, q in layer.named_quantizers().items() if not q.enabled]
+        if off and layer.enabled:
+            entry["off"] = off
+        entries.append(entry)
+    return {"entries": entries} if entries else None
+
+
+def apply_quantization_record(model, record, walked):
+    """Quantizes the float `model` in place as `record` says."""
+    for entry in record["entries"]:
+        layer, parents = walked[entry["index"]]
+        attach(
+            layer,
+            quantizable_row(layer),
+            QuantizeConfig.from_config(entry["config"]),
+            entry["inputs"],
+            _models.layer_path(layer, parents),
+            entry.get("calls", 1),
+        )
+        if entry.get("enabled", True) is False:
+            layer.enabled = False
+        named = layer.named_quantizers()
+        for key in entry.get("off", ()):
+            named[key].enabled = False
+
+
+_models.register_section(
+    "quantization", quantization_record, apply_quantization_record, order=20
+)
 
 
 @keras.saving.register_keras_serializable(package="keras_mp")
 class QuantizedModel(_models.RecordedModel):
-    """A model whose layers were quantized in place (`keras_mp.quantize_model`
-    on a subclassed or nested model, a keras-hub backbone, attention).
+    """The quantized model container of keras_mp before one record held
+    every kind of state: kept so that its files load.
 
-    It calls the quantized model (`self.model`) on its inputs. Saved, its
-    config is the float model's config plus the recipe; loading rebuilds
-    the float model, quantizes it again by the recipe and loads the weights
-    and ranges, so `keras.saving.load_model(path, safe_mode=True)` gives the
-    same outputs.
+    Loading such a file (`keras.saving.load_model(path, safe_mode=True)`)
+    gives a `keras_mp.RecordedModel` with the same layers, ranges and
+    outputs. `keras_mp.quantize_model` returns a `RecordedModel`; so does
+    this constructor's replacement, `keras_mp.RecordedModel(model)`.
 
     Args:
-        model: the `keras.Model` quantized in place by `recipe`.
-        recipe: `keras_mp.quantization.recipe.Recipe` (or its config).
+        model: the `keras.Model` quantized in place.
+        recipe: ignored (the record is read from the model's layers).
         **kwargs: `name`, `trainable`.
-
-    Raises:
-        ValueError: at save time (`get_config`), when `model` cannot be
-            rebuilt from its config as the same model.
-
-    Example:
-
-    >>> qmodel = keras_mp.quantize_model(keras_hub_backbone)
-    >>> qmodel.save("q.keras")
-    >>> keras.saving.load_model("q.keras")
     """
 
-    RECORD_KEY = "recipe"
-    SAVED_WHAT = "with its config"
-
-    def __init__(self, model, recipe, **kwargs):
-        if isinstance(recipe, dict):
-            recipe = Recipe.from_config(recipe)
-        super().__init__(model, **kwargs)
-        self.recipe = recipe
-
-    def float_config(self):
-        """The serialized float model (no quantized twin in it)."""
-        with _models.float_classes(self.model):
-            return keras.saving.serialize_keras_object(self.model)
-
-    inner_config = float_config
-
-    def record(self):
-        return self.recipe.get_config()
-
-    @classmethod
-    def apply_record(cls, model, record):
-        apply_recipe(model, Recipe.from_config(record))
-
-    def reload_hint(self):
-        return (
-            "into a model quantized again with `keras_mp.quantize_model(...)`"
+    def __init__(self, model, recipe=None, **kwargs):
+        warnings.warn(
+            "`keras_mp.QuantizedModel` is load-only: "
+            "`keras_mp.quantize_model` returns a `keras_mp.RecordedModel`, "
+            "and `keras_mp.RecordedModel(model)` wraps a model quantized in "
+            "place. This one saves as a RecordedModel.",
+            DeprecationWarning,
+            stacklevel=2,
         )
+        super().__init__(model, **kwargs)
 
     @classmethod
-    def _from_inner(cls, inner, record, **kwargs):
-        return cls(inner, record, **kwargs)
+    def apply_saved_record(cls, model, config):
+        if "record" in config:  # saved by this keras_mp
+            _models.apply_record(model, config["record"])
+            return
+        apply_recipe(model, Recipe.from_config(config["recipe"]))

@@ -2,13 +2,12 @@
 
 from keras_mp import _models
 from keras_mp.quantization.legacy import check_current
-from keras_mp.quantization.model import QuantizedModel
 
 
 def strip_quantization(model):
     """A float copy of a quantized model: quantizers removed, weights kept.
 
-    The model a `keras_mp.QuantizedModel` holds comes back rebuilt from its
+    The model a `keras_mp.RecordedModel` holds comes back rebuilt from its
     float config, with the trained weights (and 2:4 masks); stand-alone
     `QuantizeActivation` layers of a model built with them are kept.
 
@@ -31,7 +30,7 @@ def strip_quantization(model):
     """
     _models.check_model(model, "strip_quantization")
     check_current(model, "strip_quantization")
-    inner = model.model if isinstance(model, QuantizedModel) else model
+    inner = _models.contents(model)
     return _models.copy_model(
         inner,
         "strip_quantization",

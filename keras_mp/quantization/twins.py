@@ -6,8 +6,8 @@ take. It is quantized where it is instead: its class becomes its quantized
 twin, a subclass of its own class (`recipe.twin_class`) that owns the
 fake-quantizers and overrides `call`; the layer keeps its name, its
 variables and every reference to it. The twin classes are never saved:
-`QuantizedModel` saves the float model's config and the recipe, and applies
-the recipe again on load (`recipe.py`). The attention twin is in
+`keras_mp.RecordedModel` saves the float model's config and a record of
+them, and applies it again on load (`recipe.py`). The attention twin is in
 `attention.py`. Guide: `docs/quantization.md`.
 """
 
@@ -241,11 +241,8 @@ def quantized_layers(model):
 
 def check_float(model, caller):
     """Raises a ValueError naming `caller` when `model` is quantized
-    already (a `QuantizedModel`, or holding quantized layers)."""
-    from keras_mp.quantization.model import QuantizedModel
-
-    found = [model] if isinstance(model, QuantizedModel) else []
-    found += quantized_layers(model)
+    already (it holds quantized layers)."""
+    found = quantized_layers(model)
     if found:
         raise ValueError(
             f"`{caller}`: model {model.name!r} is already quantized (layer "

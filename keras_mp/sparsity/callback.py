@@ -19,7 +19,7 @@ from keras_mp.sparsity.model import (
     select_layers,
 )
 from keras_mp.sparsity.report import sparsity_report
-from keras_mp.sparsity.saving import SparseModel, attach_mask
+from keras_mp.sparsity.saving import attach_mask
 
 
 @keras.saving.register_keras_serializable(package="keras_mp")
@@ -36,8 +36,8 @@ class StructuredSparsity(keras.callbacks.Callback):
     models and keras-hub backbones are pruned too. Their parent's code
     rebuilds them on load without the constraint, so a bare `.keras` file
     of such a model keeps their zeros (in the weights) but not their
-    masks (a warning says so); a `SparseModel` around the model keeps the
-    masks too, for code that loads it without this callback.
+    masks (a warning says so); a `keras_mp.RecordedModel` around the model
+    keeps the masks too, for code that loads it without this callback.
 
     A kernel that has no mask when the callback attaches but exact zeros
     in every group (a pruned kernel reloaded as above, or loaded with
@@ -283,12 +283,13 @@ class StructuredSparsity(keras.callbacks.Callback):
             f"{', '.join(names)}. They are pruned again in one shot from "
             "their magnitudes at the next batch. If you meant to resume a "
             "pruned run, these are not its weights (dense weights loaded?): "
-            "load the pruned weights, or a `SparseModel` file, instead.",
+            "load the pruned weights, or a `keras_mp.RecordedModel` file, "
+            "instead.",
             stacklevel=4,
         )
 
     def _warn_if_not_saved(self, model):
-        if isinstance(model, SparseModel):
+        if isinstance(model, _models.RecordedModel):
             return  # its config records every mask
         masked = {id(kernel) for kernel, _ in self._targets}
         lost = [
@@ -310,7 +311,7 @@ class StructuredSparsity(keras.callbacks.Callback):
                 "themselves, for code that loads the model without the "
                 "callback (training, inference or checks that must see the "
                 "masks, `sparse_layers`, `sparsity_report`), save "
-                "`keras_mp.sparsity.SparseModel(model)` instead.",
+                "`keras_mp.RecordedModel(model)` instead.",
                 stacklevel=4,
             )
 

@@ -5,7 +5,6 @@ import keras
 from keras_mp import _keras, _models, layer_table
 from keras_mp.selection import layer_matcher
 from keras_mp.sparsity.masks import SparsityMask, value
-from keras_mp.sparsity.saving import SparseModel
 
 # NVIDIA ASP (apex.contrib.sparsity) prunes a weight only when its output
 # channels are a multiple of 8 and its input channels a multiple of 16, the
@@ -134,7 +133,8 @@ def strip_sparsity(model):
     Args:
         model: a `keras.Model`: Sequential, Functional, or any model that
             its config rebuilds (subclassed with `get_config`, keras-hub
-            backbones), or a `SparseModel` (its inner model is copied).
+            backbones), or a `keras_mp.RecordedModel` (its inner model is
+            copied).
 
     Returns:
         A new `keras.Model`.
@@ -149,8 +149,7 @@ def strip_sparsity(model):
     >>> deploy.export("model", format="onnx")  # doctest: +SKIP
     """
     _models.check_model(model, "strip_sparsity")
-    if isinstance(model, SparseModel):
-        model = model.model  # the container only exists to save the masks
+    model = _models.contents(model)  # a container only saves the masks
     if _keras.is_plain_graph_model(model):
         clone = keras.models.clone_model(
             model,

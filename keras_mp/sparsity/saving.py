@@ -1,23 +1,20 @@
-"""`SparseModel`: a pruned model saved as its config plus a record of its
-2:4 masks.
+"""The 2:4 masks' section of the one record (`_models.RecordedModel`), and
+`SparseModel`, the container of earlier keras_mp (load only).
 
 Keras rebuilds a custom layer's sublayers (and a subclassed model's or a
 keras-hub backbone's) from their parent's code, so a `SparsityMask` set on
-one of them is not in the config and would be gone on load. This
-container's config is the inner model's config plus, per masked kernel,
-its position in the layer walk and the mask's settings; `from_config`
-rebuilds the inner model, attaches the masks, and only then do the weights
-and the mask variables load.
+one of them is not in the config and would be gone on load. The record
+lists, per masked kernel, its layer's position in the walk and the mask's
+settings; loading rebuilds the model, attaches the masks, and only then do
+the weights and the mask variables load.
 """
+
+import warnings
 
 import keras
 
 from keras_mp import _models, layer_table
 from keras_mp.sparsity.masks import SparsityMask
-
-
-def _walk(model):
-    return list(_models.walk_layers(model))
 
 
 def _mask_of(layer):
@@ -37,24 +34,42 @@ def attach_mask(layer, mask):
     setattr(layer, weight.constraint, mask)
 
 
-def mask_record(model):
-    """The masks of `model` by walk position, and the walk's class names."""
-    walked = _walk(model)
+def mask_record(model, walked):
+    """The sparsity section of the record (`_models.make_record`):
+    `{"masks": [{"index", "mask"}]}`, each masked kernel's layer by its
+    index in `walked`; None when no kernel has a mask."""
     masks = []
-    for index, layer in enumerate(walked):
+    for index, (layer, _) in enumerate(walked):
         mask = _mask_of(layer)
         if mask is not None:
             masks.append({"index": index, "mask": mask.get_config()})
-    return {"layers": [type(x).__name__ for x in walked], "masks": masks}
+    return {"masks": masks} if masks else None
 
 
-def apply_mask_record(model, record):
-    """Attaches to `model` the masks `record` (from `mask_record`) lists.
+def apply_masks(model, record, walked):
+    """Attaches to `model` the masks `record` (from `mask_record`) lists."""
+    for entry in record["masks"]:
+        _attach_saved(walked[entry["index"]][0], entry["mask"])
+
+
+def _attach_saved(layer, config):
+    have = _mask_of(layer)
+    if have is not None and have.get_config() == config:
+        return  # its own config (a layer of a graph) made it already
+    attach_mask(layer, SparsityMask(**config))
+
+
+_models.register_section("sparsity", mask_record, apply_masks, order=10)
+
+
+def apply_legacy_mask_record(model, record):
+    """Attaches the masks of a `SparseModel` file's record (by position in
+    the walk without nested models, and its class names).
 
     Raises:
         ValueError: the walk of `model` is not the recorded one.
     """
-    walked = _walk(model)
+    walked = list(_models.walk_layers(model))
     found = [type(x).__name__ for x in walked]
     difference = _models.first_difference(found, record["layers"])
     if difference is not None:
@@ -67,55 +82,37 @@ def apply_mask_record(model, record):
             "that saved it."
         )
     for entry in record["masks"]:
-        layer = walked[entry["index"]]
-        have = _mask_of(layer)
-        if have is not None and have.get_config() == entry["mask"]:
-            continue  # its own config (a layer of a graph) made it already
-        attach_mask(layer, SparsityMask(**entry["mask"]))
+        _attach_saved(walked[entry["index"]], entry["mask"])
 
 
 @keras.saving.register_keras_serializable(package="keras_mp")
 class SparseModel(_models.RecordedModel):
-    """A model whose 2:4 masks survive `.keras` save/load at any depth.
+    """The 2:4 mask container of keras_mp before one record held every
+    kind of state: kept so that its files load.
 
-    Wrap a model whose pruned layers sit inside custom layers, a subclassed
-    model or a keras-hub backbone (before or after `fit` with
-    `StructuredSparsity`) and save the wrapper:
-    `keras.saving.load_model(path, safe_mode=True)` gives back every
-    `SparsityMask` with its mask, schedule progress (`kept`) and
-    `kept_magnitude`. It calls the wrapped model (`self.model`) on its
-    inputs; its config is that model's config plus a record of which layer
-    of the walk has which mask, taken when it is saved.
+    Loading such a file (`keras.saving.load_model(path, safe_mode=True)`)
+    gives a `keras_mp.RecordedModel` with every `SparsityMask` (mask,
+    schedule progress, `kept_magnitude`). Wrap a pruned model in
+    `keras_mp.RecordedModel(model)` to save its masks at any depth.
 
     Args:
-        model: a built `keras.Model` that its config rebuilds (a subclassed
-            model needs `get_config()` and registration).
+        model: a built `keras.Model`.
         **kwargs: `name`, `trainable`.
-
-    Raises:
-        ValueError: at save time (`get_config`), when `model` cannot be
-            rebuilt from its config as the same model.
-
-    Example:
-
-    >>> sparse = SparseModel(model)  # doctest: +SKIP
-    >>> sparse.compile("adam", "mse")  # doctest: +SKIP
-    >>> sparse.fit(x, y, callbacks=[StructuredSparsity()])  # doctest: +SKIP
-    >>> sparse.save("sparse.keras")  # doctest: +SKIP
     """
 
-    RECORD_KEY = "sparsity"
-    SAVED_WHAT = "with its 2:4 masks"
-
-    def record(self):
-        return mask_record(self.model)
+    def __init__(self, model, **kwargs):
+        warnings.warn(
+            "`keras_mp.SparseModel` is load-only: wrap the model in "
+            "`keras_mp.RecordedModel(model)`, which saves its 2:4 masks (and "
+            "any other keras_mp state). This one saves as a RecordedModel.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        super().__init__(model, **kwargs)
 
     @classmethod
-    def apply_record(cls, model, record):
-        apply_mask_record(model, record)
-
-    def reload_hint(self):
-        return (
-            "into a model rebuilt by the same code, after "
-            "`StructuredSparsity(...).set_model(model)`"
-        )
+    def apply_saved_record(cls, model, config):
+        if "record" in config:  # saved by this keras_mp
+            _models.apply_record(model, config["record"])
+            return
+        apply_legacy_mask_record(model, config["sparsity"])

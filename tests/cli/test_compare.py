@@ -40,7 +40,7 @@ def test_cli_compare_reaches_inside_a_quantized_model(
     tmp_path,
     capsys,
 ):
-    """A `.keras` QuantizedModel (layers inside custom layers) reloads and
+    """A `.keras` RecordedModel (layers inside custom layers) reloads and
     is compared layer by layer, inner layers by their path."""
     qmodel, path, x = custom_export
     qmodel.save(tmp_path / "q.keras")

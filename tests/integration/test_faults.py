@@ -462,7 +462,7 @@ def test_quantized_sparse_loss_scaled_model_loads_in_safe_mode(tmp_path):
         callbacks=[keras_mp.StructuredSparsity()],
     )
     loaded, config = _assert_safe_round_trip(model, tmp_path / "deploy.keras")
-    for name in ("QuantizedModel", "SparsityMask", "LossScaleOptimizer"):
+    for name in ("RecordedModel", "SparsityMask", "LossScaleOptimizer"):
         assert f'"registered_name": "keras_mp>{name}"' in config, name
     assert "QuantizeWrapper" not in config  # load-only: never saved
     np.testing.assert_array_equal(

@@ -88,7 +88,7 @@ def test_nested_layers_by_path_and_no_quantizer_rows():
         "block_1/query",
         "head",
     ]
-    qmodel = keras_mp.quantize_model(model)  # in place, in a QuantizedModel
+    qmodel = keras_mp.quantize_model(model)  # in place, in a RecordedModel
     quantized = keras_mp.mixed_precision_audit(qmodel, verbose=False)
     assert [(r.name, r.class_name) for r in quantized.layers] == [
         ("blocks/block_0", "_QueryBlock"),

@@ -56,7 +56,7 @@ def test_clean_export_matches_every_layer_within_one_step(exported):
 
 
 def _rows(qmodel):
-    """The row names of a `QuantizedModel` of a Sequential model: each
+    """The row names of a `RecordedModel` of a Sequential model: each
     layer by its path from the float model, a quantized layer's input
     Q/DQs just before it, the float model last."""
     inner = qmodel.model

@@ -1,4 +1,4 @@
-"""`compare_onnx` on models quantized in place (`QuantizedModel`): the
+"""`compare_onnx` on models quantized in place (`RecordedModel`): the
 layers inside a keras-hub ViT and inside custom layers are compared one by
 one, the ones that cannot be are named with the reason, and a broken scale
 is found at its layer."""
@@ -56,7 +56,7 @@ def vit_export(tmp_path_factory):
 
 def test_vit_inner_layers_are_compared_one_by_one(vit_export):
     qmodel, path, x = vit_export
-    assert isinstance(qmodel, keras_mp.QuantizedModel)
+    assert isinstance(qmodel, keras_mp.RecordedModel)
     report = keras_mp.compare_onnx(qmodel, path, x)
     names = [r.name for r in report.rows]
     # the backbone's own name comes from Keras' per-process counter
@@ -195,7 +195,7 @@ def custom_export(tmp_path_factory):
 
 def test_custom_layers_and_a_shared_layer(custom_export, tmp_path):
     qmodel, path, x = custom_export
-    assert isinstance(qmodel, keras_mp.QuantizedModel)
+    assert isinstance(qmodel, keras_mp.RecordedModel)
     fc = "custom/block/fc"
     report = keras_mp.compare_onnx(qmodel, path, x)
     names = [r.name for r in report.rows]

@@ -113,7 +113,7 @@ def _round_trip(model, tmp_path, data):
     path = tmp_path / "q.keras"
     model.save(path)
     loaded = keras.saving.load_model(path, safe_mode=True)
-    assert isinstance(loaded, keras_mp.QuantizedModel)
+    assert isinstance(loaded, keras_mp.RecordedModel)
     np.testing.assert_array_equal(
         keras.ops.convert_to_numpy(loaded(data)),
         keras.ops.convert_to_numpy(model(data)),
@@ -125,7 +125,7 @@ def _round_trip(model, tmp_path, data):
 def test_layers_inside_custom_layers_are_quantized(make, tmp_path):
     model, x = make(), _x()
     qmodel = keras_mp.quantize_model(model)
-    assert isinstance(qmodel, keras_mp.QuantizedModel)
+    assert isinstance(qmodel, keras_mp.RecordedModel)
     block = next(
         layer
         for layer in keras_mp._models.walk_layers(qmodel)
@@ -173,16 +173,22 @@ def test_model_without_config_quantizes_in_place_and_fails_at_save(
     model(x)
     with pytest.raises(ValueError, match="rebuilt from its config.*in_place"):
         keras_mp.quantize_model(model)
-    with pytest.warns(UserWarning, match="cannot be saved with its config"):
+    with pytest.warns(
+        UserWarning, match="cannot be saved with its keras_mp state"
+    ):
         qmodel = keras_mp.quantize_model(model, in_place=True)
     assert qmodel.model is model and twins.is_quantized(model.fc)
     keras_mp.calibrate(qmodel, x, verbose=0)
     path = tmp_path / "q.keras"
-    with pytest.raises(ValueError, match="cannot be saved with its config.*"):
+    with pytest.raises(
+        ValueError, match="cannot be saved with its keras_mp state.*"
+    ):
         qmodel.save(path)
     assert not path.exists()
     path.write_bytes(b"previous")  # an earlier file stays as it was
-    with pytest.raises(ValueError, match="cannot be saved with its config.*"):
+    with pytest.raises(
+        ValueError, match="cannot be saved with its keras_mp state.*"
+    ):
         qmodel.save(path)
     assert path.read_bytes() == b"previous"
     assert os.listdir(tmp_path) == ["q.keras"]
@@ -193,8 +199,8 @@ def test_recipe_needs_the_same_model():
     qmodel = keras_mp.quantize_model(_net())
     config = qmodel.get_config()
     config["model"] = keras.saving.serialize_keras_object(_block_model())
-    with pytest.raises(ValueError, match="does not have the layers the"):
-        keras_mp.QuantizedModel.from_config(config)
+    with pytest.raises(ValueError, match="does not have the layers its rec"):
+        keras_mp.RecordedModel.from_config(config)
 
 
 def test_quantizing_a_quantized_model_is_rejected():

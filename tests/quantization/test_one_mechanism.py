@@ -111,6 +111,26 @@ def test_functional_outputs_keep_their_names(tmp_path):
     assert keys and not any("quant_" in k for k in keys), keys
 
 
+def test_sequential_output_keeps_its_name(tmp_path):
+    # A Sequential model's output is named after its last layer in the
+    # float export; the quantized one was named after the model.
+    import onnx
+
+    x = np.random.default_rng(0).normal(size=(16, 8)).astype("float32")
+    model = keras.Sequential(
+        [keras.Input((8,)), L.Dense(4, name="fc"), L.Dense(2, name="head")],
+        name="seq_names",
+    )
+    q = keras_mp.quantize_model(model)
+    keras_mp.calibrate(q, x, verbose=0)
+    assert q.output_names == ["head"]
+    keras_mp.export_onnx(model, tmp_path / "float.onnx")
+    keras_mp.export_onnx(q, tmp_path / "int8.onnx")
+    for kind in ("float", "int8"):
+        graph = onnx.load(tmp_path / f"{kind}.onnx").graph
+        assert [o.name for o in graph.output] == ["head"], kind
+
+
 def shared_dense():
     """One Dense (with its ReLU) called on two inputs, its two outputs
     added: the residual Add of issue 22."""
@@ -266,6 +286,13 @@ def test_bad_input_and_upgrade_of_old_files():
         keras_mp.quantize_model(q)
     with pytest.raises(ValueError, match="no_such_layer"):
         keras_mp.quantize_model(model, layers="no_such_layer")
+    tokens = keras.Input((5,), dtype="int32")
+    seq = L.Embedding(50, 8)(tokens)
+    recurrent = keras.Model(
+        tokens, L.Dense(2)(L.LSTM(8, name="lstm")(seq)), name="rnn"
+    )
+    with pytest.raises(ValueError, match=r"It matches lstm \(LSTM\)"):
+        keras_mp.quantize_model(recurrent, layers="lstm")
     with pytest.raises(ValueError, match="nothing to upgrade"):
         keras_mp.upgrade(model)
 
@@ -285,3 +312,11 @@ def test_bad_input_and_upgrade_of_old_files():
     np.testing.assert_allclose(
         new.predict(saved["x"], verbose=0), saved["y"], rtol=0, atol=1e-6
     )
+
+    # Old wrappers beside layers quantized the current way: refused, with
+    # the order that works.
+    a = keras.Input(old.input_shape[1:])
+    b = keras.Input((4,))
+    mixed = keras.Model([a, b], [old(a), q(b)], name="mixed")
+    with pytest.raises(ValueError, match="nothing was changed. Upgrade the"):
+        keras_mp.upgrade(mixed)

@@ -335,7 +335,7 @@ def _nested_masks(model):
 
 def test_custom_layer_and_subclassed_model_masks_and_reload(tmp_path):
     """The callback reaches the Dense inside a custom layer and in a
-    subclassed model; saved without a `SparseModel` around it, their masks
+    subclassed model; saved without a `RecordedModel` around it, their masks
     are not in the .keras file (their parent rebuilds them) and it says so,
     naming the fix; attaching the callback to the reloaded model gives the
     same masks back (restored from the kernels' zeros)."""
@@ -348,7 +348,7 @@ def test_custom_layer_and_subclassed_model_masks_and_reload(tmp_path):
     compile_model(model)
     with pytest.warns(
         UserWarning,
-        match=r"keeps the zeros.*not their SparsityMask.*: dense.*SparseModel",
+        match=r"keeps the zeros.*not their SparsityMask.*: dense.*RecordedMod",
     ):
         model.fit(
             x,

@@ -1,4 +1,5 @@
-"""`SparseModel`: 2:4 masks of nested layers survive `.keras` save/load."""
+"""`keras_mp.RecordedModel`: 2:4 masks of nested layers survive `.keras`
+save/load (the record's sparsity section)."""
 
 import warnings
 
@@ -6,13 +7,12 @@ import keras
 import numpy as np
 import pytest
 
+from keras_mp import RecordedModel, _models
 from keras_mp.sparsity import (
-    SparseModel,
     StructuredSparsity,
     sparse_layers,
     strip_sparsity,
 )
-from keras_mp.sparsity.saving import apply_mask_record, mask_record
 from tests.quantization.test_nested import Block, Net, NoConfig
 from tests.sparsity.conftest import compile_model
 
@@ -44,7 +44,7 @@ def test_masks_of_nested_layers_reload_bit_for_bit(make, tmp_path):
     x, y = _data()
     inner = make()
     inner(x[:1])
-    model = compile_model(SparseModel(inner))
+    model = compile_model(RecordedModel(inner))
     with warnings.catch_warnings():
         warnings.filterwarnings("error", "StructuredSparsity")  # no warning
         model.fit(
@@ -61,7 +61,7 @@ def test_masks_of_nested_layers_reload_bit_for_bit(make, tmp_path):
     path = tmp_path / "sparse.keras"
     model.save(path)
     loaded = keras.saving.load_model(path, safe_mode=True)
-    assert isinstance(loaded, SparseModel)
+    assert isinstance(loaded, RecordedModel)
     got = _state(loaded)
     assert len(got) == len(state)
     for want, have in zip(state, got):
@@ -80,9 +80,11 @@ def test_masks_of_nested_layers_reload_bit_for_bit(make, tmp_path):
 def test_model_without_config_fails_at_save(tmp_path):
     model = NoConfig()
     model(np.zeros((1, 8), "float32"))
-    sparse = SparseModel(model)
+    sparse = RecordedModel(model)
     StructuredSparsity().set_model(sparse)
-    with pytest.raises(ValueError, match="cannot be saved with its 2:4 masks"):
+    with pytest.raises(
+        ValueError, match="cannot be saved with its keras_mp state"
+    ):
         sparse.save(tmp_path / "x.keras")
 
 
@@ -90,11 +92,11 @@ def test_record_of_another_model_is_rejected():
     x, _ = _data()
     net = Net(name="net")
     net(x[:1])
-    with pytest.warns(UserWarning, match="SparseModel"):
+    with pytest.warns(UserWarning, match="RecordedModel"):
         StructuredSparsity().set_model(net)
     other = _block_model()
-    with pytest.raises(ValueError, match="not the model its 2:4 masks"):
-        apply_mask_record(other, mask_record(net))
+    with pytest.raises(ValueError, match="does not have the layers its rec"):
+        _models.apply_record(other, _models.make_record(net))
 
 
 @pytest.mark.slow
@@ -107,7 +109,7 @@ def test_keras_hub_masks_reload_bit_for_bit(name, count, tmp_path):
         model, inputs = hub.bert_classifier(), hub.tokens(16)
     else:
         model, inputs = hub.vit(), hub.images(16)
-    model = SparseModel(model)
+    model = RecordedModel(model)
     model.compile("adam", "mse")
     out = keras.ops.convert_to_numpy(model(inputs))
     model.fit(
