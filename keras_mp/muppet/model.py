@@ -134,8 +134,9 @@ def input_consumers(model, walked):
 def make_record(model, walked, seed=None, consumers=None):
     """The fixed-point record for float `model`: every layer with trainable
     weights of its own, at any depth, and the layers that receive a model
-    input (`consumers`, from `input_consumers` when None). Seeds are
-    `seed + k` for the k-th layer (random for None)."""
+    input (`consumers`, from `input_consumers` when None). Every layer
+    starts its random streams at `seed` (a random seed each for None), as
+    the wrappers of earlier keras_mp did: same seed, same draws."""
     weighted = {
         index
         for index, (layer, _) in enumerate(walked)
@@ -150,11 +151,11 @@ def make_record(model, walked, seed=None, consumers=None):
             "own below it (a model's own weights cannot be run in fixed "
             "point in place). Move them into a layer."
         )
-    for k, index in enumerate(sorted(weighted | set(consumers))):
+    for index in sorted(weighted | set(consumers)):
         entries.append(
             {
                 "index": index,
-                "seed": None if seed is None else int(seed) + k,
+                "seed": None if seed is None else int(seed),
                 "weights": index in weighted,
                 "inputs": list(consumers.get(index, ())),
             }

@@ -13,9 +13,6 @@ same code.
 
 from keras_mp.muppet import twins
 
-SECTION = "muppet"
-ORDER = 30  # after "sparsity" (10) and "quantization" (20)
-
 
 def fixed_point_record(model, walked):
     """The record of `model`'s fixed-point layers, or None when it has none.
