@@ -139,8 +139,8 @@ def make_record(model, walked, seed=None, consumers=None):
     the wrappers of earlier keras_mp did: same seed, same draws."""
     weighted = {
         index
-        for index, (layer, _) in enumerate(walked)
-        if twins.has_own_trainable_weights(layer)
+        for index, (layer, parents) in enumerate(walked)
+        if twins.runs_in_fixed_point(layer, parents)
     }
     if consumers is None:
         consumers = input_consumers(model, walked)

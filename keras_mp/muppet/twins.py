@@ -153,7 +153,8 @@ class FixedPointLayer:
     """What every fixed-point twin adds to its float class.
 
     State: `fixed_point` (`FixedPointState`, owned). The layer's own
-    trainable weights (`fixed_point_weights`) are read as fixed-point
+    trainable weights (`fixed_point_weights`; a recurrent layer's cell's)
+    are read as fixed-point
     copies with stochastic rounding, straight-through gradients and
     quantized weight gradients, recorded in `last_gradients`; its outputs
     are quantized forward and their gradients backward. A layer that
@@ -186,11 +187,10 @@ class FixedPointLayer:
         return self.fixed_point.seed_state
 
     def fixed_point_weights(self):
-        """The trainable weights run in fixed point: the layer's own (a
-        sublayer's are its own twin's)."""
+        """The weights run in fixed point (`fixed_point_variables`)."""
         if not self.fixed_point.weight_shapes:
             return []
-        return [v for v in _keras.own_variables(self) if v.trainable]
+        return fixed_point_variables(self)
 
     def _quantize_model_inputs(self, args, word_length):
         state = self.fixed_point
@@ -274,12 +274,22 @@ def is_fixed_point(layer):
     return isinstance(layer, FixedPointLayer)
 
 
-def has_own_trainable_weights(layer):
-    """Whether `layer` itself (not a sublayer) holds trainable weights:
-    the layers MuPPET runs in fixed point."""
-    return layer.trainable and any(
-        v.trainable for v in _keras.own_variables(layer)
-    )
+def fixed_point_variables(layer):
+    """The trainable weights `layer` runs in fixed point: its own (a
+    sublayer's are its own twin's); for a recurrent layer, its cell's at
+    any depth, since the cell runs once per time step inside a loop."""
+    if isinstance(layer, keras.layers.RNN):
+        return [v for v in layer.trainable_variables]
+    return [v for v in _keras.own_variables(layer) if v.trainable]
+
+
+def runs_in_fixed_point(layer, parents):
+    """Whether `layer` (below `parents`) runs its weights in fixed point:
+    it holds trainable weights (`fixed_point_variables`) and is not inside
+    a recurrent layer (whose cell runs in the recurrent layer's twin)."""
+    if any(isinstance(p, keras.layers.RNN) for p in parents):
+        return False
+    return layer.trainable and bool(fixed_point_variables(layer))
 
 
 def attach(layer, seed, inputs=(), weights=True):
@@ -297,7 +307,7 @@ def attach(layer, seed, inputs=(), weights=True):
         The layer's `FixedPointState`.
     """
     shapes = (
-        [tuple(v.shape) for v in _keras.own_variables(layer) if v.trainable]
+        [tuple(v.shape) for v in fixed_point_variables(layer)]
         if weights
         else []
     )

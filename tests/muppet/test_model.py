@@ -340,3 +340,23 @@ def test_keras_applications_mobilenetv2_copies():
     np.testing.assert_array_equal(model(x).numpy(), base(x).numpy())
     set_word_length(model, 8)
     assert not np.allclose(model(x).numpy(), base(x).numpy(), atol=1e-4)
+
+
+def test_recurrent_layer_runs_its_cell_in_fixed_point():
+    """The cell of an LSTM runs once per time step inside a loop: the LSTM
+    is the fixed-point layer (its cell's weights, its outputs), and the
+    embedding's sparse gradient is quantized as a dense one."""
+    inputs = keras.Input((5,), dtype="int32")
+    h = keras.layers.Embedding(20, 4, name="embed")(inputs)
+    h = keras.layers.LSTM(6, name="lstm")(h)
+    base = keras.Model(inputs, keras.layers.Dense(2, name="head")(h))
+    x = np.arange(40, dtype="int32").reshape(8, 5) % 20
+    model = fixed_point_model(base, seed=0)
+    np.testing.assert_array_equal(model(x).numpy(), base(x).numpy())
+    lstm = model.get_layer("lstm")
+    assert is_fixed_point(lstm) and not is_fixed_point(lstm.cell)
+    assert len(lstm.last_gradients) == 3  # kernel, recurrent, bias
+    model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(True))
+    switching = PrecisionSwitching(schedule=(8, None), epoch_schedule=(10,))
+    model.fit(x, np.arange(8) % 2, verbose=0, callbacks=[switching])
+    assert all(np.any(v.numpy()) for v in lstm.last_gradients)
