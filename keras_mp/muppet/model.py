@@ -145,6 +145,15 @@ def make_record(model, walked, seed=None, consumers=None):
     if consumers is None:
         consumers = input_consumers(model, walked)
     entries = []
+    own = [v.name for v in _keras.own_variables(model) if v.trainable]
+    if own:
+        warnings.warn(
+            f"fixed_point_model: model {model.name!r} holds trainable "
+            f"weights of its own ({', '.join(own)}), outside any layer; they "
+            "train in float32. Move them into a layer to train them in "
+            "fixed point.",
+            stacklevel=3,
+        )
     if not weighted:
         raise ValueError(
             f"Model '{model.name}' has no layer with trainable weights of its "

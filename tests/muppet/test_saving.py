@@ -83,7 +83,7 @@ def _fit(model, backup, epochs, extra=()):
     return model.fit(
         x,
         y,
-        batch_size=16,
+        batch_size=32,
         epochs=epochs,
         shuffle=False,
         verbose=0,
@@ -92,17 +92,29 @@ def _fit(model, backup, epochs, extra=()):
 
 
 def test_backup_and_restore_resumes_precision_noise_and_weights(tmp_path):
-    reference = _compiled()
-    history = _fit(reference, None, 4).history["precision"]
+    """Interrupted at the start of epoch 2, resumed into a new model: it
+    restores the weights, word lengths, random streams and switching state,
+    so its epoch 2 is exactly the interrupted model's, continued."""
     backup = os.path.join(tmp_path, "backup")
+    interrupted = _compiled()
     with pytest.raises(RuntimeError, match="interrupted"):
-        _fit(_compiled(), backup, 4, [_Interrupt(2)])
+        _fit(interrupted, backup, 3, [_Interrupt(2)])
     resumed = _compiled(seed=1)  # other initial weights: all restored
-    assert _fit(resumed, backup, 4).history["precision"] == history[2:]
-    for a, b in zip(reference.weights, resumed.weights, strict=True):
-        np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=a.path)
-    state = precision_state(resumed)
-    assert (
-        state.window_epochs.numpy()
-        == precision_state(reference).window_epochs.numpy()
+    history = _fit(resumed, backup, 3).history["precision"]
+    x, y = tiny_data(64)
+    continued = interrupted.fit(
+        x,
+        y,
+        batch_size=32,
+        epochs=3,
+        initial_epoch=2,
+        shuffle=False,
+        verbose=0,
+        callbacks=[
+            PrecisionSwitching(schedule=(6, 8, None), resolution=2, patience=1)
+        ],
     )
+    assert history == continued.history["precision"]
+    for a, b in zip(interrupted.weights, resumed.weights, strict=True):
+        np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=a.path)
+    assert precision_state(resumed).window_epochs.numpy() == 1.0
