@@ -6,6 +6,7 @@
 `docs/muppet.md`.
 """
 
+from keras_mp import _models
 from keras_mp.muppet.callback import PrecisionSwitching
 from keras_mp.muppet.cost import (
     GPU_THROUGHPUT,
@@ -17,6 +18,7 @@ from keras_mp.muppet.layers import (
     FixedPointWrapper,
     PrecisionState,
 )
+from keras_mp.muppet.legacy import upgrade_fixed_point
 from keras_mp.muppet.model import (
     fixed_point_layers,
     fixed_point_model,
@@ -31,3 +33,17 @@ from keras_mp.muppet.policy import (
     switching_threshold,
 )
 from keras_mp.muppet.quantizer import fixed_point_quantize
+from keras_mp.muppet.record import (
+    apply_fixed_point_record,
+    fixed_point_record,
+)
+from keras_mp.muppet.twins import (
+    FixedPointLayer,
+    FixedPointState,
+    fixed_point_twin_class,
+    is_fixed_point,
+)
+
+_models.register_section(
+    "muppet", fixed_point_record, apply_fixed_point_record, order=30
+)

@@ -11,10 +11,7 @@ import keras
 import numpy as np
 
 from keras_mp import _models
-from keras_mp.muppet.layers import (
-    FixedPointWrapper,
-    unscale_recorded_gradients,
-)
+from keras_mp.muppet.layers import unscale_recorded_gradients
 from keras_mp.muppet.model import fixed_point_layers, precision_state
 from keras_mp.muppet.policy import (
     DEFAULT_SCHEDULE,
@@ -50,7 +47,7 @@ class PrecisionSwitching(keras.callbacks.Callback):
     after which the precision went up). `switch_epochs` lists the epochs
     that started a new precision.
 
-    Gradients: each `FixedPointWrapper` records every step's weight
+    Gradients: each fixed-point layer records every step's weight
     gradients (one write per step, no extra pass; see `docs/muppet.md`),
     divided by the optimizer's loss scale and only when finite (a step that
     loss scaling skips leaves the previous step's gradients), and at each
@@ -193,7 +190,7 @@ class PrecisionSwitching(keras.callbacks.Callback):
         self._wrappers = [
             layer
             for layer in self._fixed_layers
-            if isinstance(layer, FixedPointWrapper)
+            if getattr(layer, "last_gradients", None)
         ]
         # Record gradients divided by the loss scale: the policy compares
         # epochs, which loss scaling would otherwise weigh by their scale.

@@ -1,7 +1,10 @@
-"""The layers of a MuPPET model: `FixedPointWrapper` (a weighted layer in
-fixed point), `FixedPointInput` (a network input), `PrecisionState` (the
-switching state). Their state is in weights, so saved files and
-checkpoints resume it. Guide: `docs/muppet.md`.
+"""`PrecisionState` (the switching state of a MuPPET model), the random
+stream and loss-scale helpers of the fixed-point layers, and the load-only
+layers of earlier keras_mp: `FixedPointWrapper` (a weighted layer in fixed
+point) and `FixedPointInput` (a network input). Their state is in weights,
+so saved files and checkpoints resume it. The fixed-point layers
+`fixed_point_model` makes are twins (`keras_mp.muppet.twins`). Guide:
+`docs/muppet.md`.
 """
 
 import inspect
@@ -112,6 +115,12 @@ def _word_length_variable(layer):
 @keras.saving.register_keras_serializable(package="keras_mp")
 class FixedPointWrapper(_RandomStateMixin, keras.layers.Wrapper):
     """Trains a weighted layer in MuPPET dynamic fixed point.
+
+    Load-only: `fixed_point_model` built it until layers were switched to
+    fixed point in place; it stays registered (with its class and
+    attribute names, which name its weight-file groups) so that those
+    files load and train on. `keras_mp.muppet.upgrade_fixed_point`
+    converts such a model to the current form.
 
     The wrapped layer keeps float32 master weights. Each call runs it on
     fixed-point copies of its trainable weights (stochastic rounding,
@@ -241,23 +250,26 @@ class FixedPointWrapper(_RandomStateMixin, keras.layers.Wrapper):
         return {**super().get_config(), "seed": self.seed}
 
 
-def unscale_recorded_gradients(wrappers, optimizer):
-    """Makes `wrappers` record gradients divided by `optimizer`'s loss scale.
+def unscale_recorded_gradients(layers, optimizer):
+    """Makes `layers` record gradients divided by `optimizer`'s loss scale.
 
     The scale is read in the training graph at each step, so a training
     function traced before this call keeps the old behaviour.
 
     Args:
-        wrappers: iterable of `FixedPointWrapper`.
+        layers: iterable of fixed-point layers that record gradients
+            (fixed-point twins, `FixedPointWrapper`s).
         optimizer: the model's optimizer, or None.
 
     Returns:
-        bool. Whether any wrapper changed: the training function must then
+        bool. Whether any layer changed: the training function must then
         be traced again (`keras_mp._models.reset_compiled_functions`).
     """
     source = optimizer if _scales_loss(optimizer) else None
     changed = False
-    for wrapper in wrappers:
+    for layer in layers:
+        # A twin keeps the setting in its state layer.
+        wrapper = getattr(layer, "fixed_point", layer)
         current = wrapper._loss_scale
         if (current.optimizer if current else None) is not source:
             wrapper._loss_scale = _LossScale(source) if source else None
@@ -268,6 +280,9 @@ def unscale_recorded_gradients(wrappers, optimizer):
 @keras.saving.register_keras_serializable(package="keras_mp")
 class FixedPointInput(_RandomStateMixin, keras.layers.Layer):
     """Quantizes a network input to fixed point, one exponent per sample.
+
+    Load-only, like `FixedPointWrapper`: the layers that receive a model
+    input now quantize it themselves.
 
     Args:
         seed: int or None. Seed of the stochastic rounding; None draws one

@@ -1,84 +1,25 @@
-"""`fixed_point_model`: the MuPPET-trainable copy of a float model, and the
-helpers that find and set its fixed-point layers. Guide: `docs/muppet.md`.
+"""`fixed_point_model`: a model whose weighted layers train in MuPPET fixed
+point in place, at any depth, and the helpers that find and set them.
+Guide: `docs/muppet.md`.
 """
 
+import collections
 import warnings
 
 import keras
 
 from keras_mp import _keras, _models
+from keras_mp.muppet import twins
 from keras_mp.muppet.layers import (
     FixedPointInput,
     FixedPointWrapper,
     PrecisionState,
 )
 from keras_mp.muppet.quantizer import check_word_length
+from keras_mp.muppet.record import apply_fixed_point_record
 
 
-def _holds_weighted_sublayers(layer):
-    return any(sub.trainable_weights for sub in _models.walk_layers(layer))
-
-
-def _wrap(layer, seed, whole):
-    """`layer`, copied, in a `FixedPointWrapper`; `whole` collects the names
-    of wrapped layers with weighted sublayers (activations inside stay
-    float32)."""
-    if _holds_weighted_sublayers(layer):
-        whole.append(layer.name)
-    copy = _models.copy_model(layer, "fixed_point_model")
-    return FixedPointWrapper(copy, seed=seed, name=f"fixed_point_{layer.name}")
-
-
-def _clone_graph(model, seed, whole):
-    """A copy of a plain Sequential or Functional model with every layer
-    that has trainable weights wrapped (nested plain models entered)."""
-
-    def clone(layer):
-        if _keras.is_plain_graph_model(layer):
-            return _clone_graph(layer, seed, whole)
-        if not getattr(layer, "trainable_weights", None):
-            return layer.__class__.from_config(layer.get_config())
-        return _wrap(layer, seed, whole)
-
-    return keras.models.clone_model(model, clone_function=clone)
-
-
-def fixed_point_model(model, seed=None):
-    """Returns a MuPPET-trainable copy of a Keras 3 model.
-
-    In a Sequential or Functional model (nested ones are entered) every
-    layer with trainable weights is wrapped in `FixedPointWrapper`, weights
-    copied over. Any other model (subclassed, keras-hub backbones and other
-    Functional subclasses) is wrapped whole, and so is a custom layer that
-    holds weighted sublayers: the wrapper runs every weight inside it, at
-    any depth, in fixed point, and quantizes its outputs and their
-    gradients, but the activations between its sublayers stay float32 (a
-    warning names these layers). Every input goes through a per-sample
-    `FixedPointInput`, and a `PrecisionState` layer carries the switching
-    state. The copy starts in float32 (word length 0) and computes exactly
-    what `model` computes until `keras_mp.PrecisionSwitching` lowers the
-    precision. It saves to `.keras` and loads with `safe_mode=True`.
-
-    Args:
-        model: built `keras.Model`. A subclassed one needs a `get_config()`
-            returning its constructor arguments and a registered class.
-        seed: int or None. Seed of the stochastic rounding. Defaults to None.
-
-    Returns:
-        A new, uncompiled Functional `keras.Model` taking `model`'s inputs
-        (same structure) and returning its outputs.
-
-    Raises:
-        TypeError: `model` is not a Keras 3 model (e.g. a tf_keras one).
-        ValueError: `model` is not built, has no trainable weights, or
-            cannot be rebuilt from its config.
-
-    Example:
-
-    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
-    >>> fp = fixed_point_model(model)
-    >>> fp.compile("sgd", "mse")
-    """
+def _check(model, in_place):
     _models.check_model(model, "fixed_point_model")
     if not model.built or (_keras.is_graph_model(model) and not model.inputs):
         raise ValueError(
@@ -92,47 +33,212 @@ def fixed_point_model(model, seed=None):
             "nothing to train in fixed point. Pass a model with trainable "
             "layers (check `layer.trainable`)."
         )
-    whole = []
-    if _keras.is_plain_graph_model(model):
-        body = _clone_graph(model, seed, whole)
-    else:
-        body = _wrap(model, seed, whole)
-    if whole:
-        warnings.warn(
-            "fixed_point_model: these layers are wrapped whole, their "
-            "weights (at any depth) trained in fixed point but the "
-            "activations between their sublayers kept in float32: "
-            f"{', '.join(whole)}. Rebuild them as Functional models to "
-            "quantize every activation.",
-            stacklevel=2,
+    if list(fixed_point_layers(model)):
+        raise ValueError(
+            f"Model '{model.name}' is in fixed point already. Pass the float "
+            "model to fixed_point_model(), or keep training this one."
         )
-    inputs = _models.symbolic_inputs(model)
-    flat = keras.tree.flatten(inputs)
-    quantized = [PrecisionState(name="precision_state")(flat[0])]
-    quantized += flat[1:]
-    quantized = [
-        FixedPointInput(seed=seed, name=f"fixed_point_input_{i}")(t)
-        for i, t in enumerate(quantized)
-    ]
-    quantized = keras.tree.pack_sequence_as(inputs, quantized)
-    return keras.Model(
-        inputs, body(quantized), name=f"{model.name}_fixed_point"
+    if in_place:
+        twinned = [
+            layer.name
+            for layer, _ in _models.walk(model)
+            if getattr(type(layer), "float_class", None) is not None
+        ]
+        if twinned:
+            raise ValueError(
+                "fixed_point_model(in_place=True) needs a float model; "
+                f"layer {twinned[0]!r} of '{model.name}' is quantized. Pass "
+                "in_place=False (the copy is float), or strip the "
+                "quantization first (keras_mp.strip_quantization)."
+            )
+
+
+def _sample_inputs(model):
+    """Zero tensors shaped and typed like `model`'s inputs, in their
+    structure (a dimension left free is 1)."""
+    return keras.tree.map_structure(
+        lambda t: keras.ops.zeros([d or 1 for d in t.shape], t.dtype),
+        _models.symbolic_inputs(model),
     )
+
+
+def input_consumers(model, walked):
+    """`{walk index: {position: input index}}`: for each float input of
+    `model`, the outermost layers that receive it unchanged, and where in
+    their flattened positional call arguments. Found by one call on zeros
+    with every layer recording the tensors it is called on."""
+    sample = _sample_inputs(model)
+    targets = {
+        id(t): i
+        for i, t in enumerate(keras.tree.flatten(sample))
+        if keras.backend.is_float_dtype(t.dtype)
+    }
+    if not targets:  # token ids, masks: nothing to quantize
+        return {}
+    received = collections.defaultdict(set)
+    probes = {}
+
+    def probe_class(cls):
+        if cls not in probes:
+
+            def __call__(self, *args, **kwargs):
+                for position, t in enumerate(keras.tree.flatten(args)):
+                    if id(t) in targets:
+                        received[id(self)].add((position, targets[id(t)]))
+                return cls.__call__(self, *args, **kwargs)
+
+            probes[cls] = type(cls.__name__, (cls,), {"__call__": __call__})
+        return probes[cls]
+
+    layers = [
+        (layer, type(layer))
+        for layer, _ in walked
+        if not isinstance(layer, keras.Model)
+    ]
+    try:
+        for layer, cls in layers:
+            object.__setattr__(layer, "__class__", probe_class(cls))
+        model(sample, training=False)
+    except Exception as e:  # a model that needs real data: no probe
+        warnings.warn(
+            f"fixed_point_model: could not run model {model.name!r} on zeros "
+            f"to find the layers its inputs go to ({type(e).__name__}: {e}); "
+            "its inputs are not quantized (every weight and layer output "
+            "still is).",
+            stacklevel=3,
+        )
+        return {}
+    finally:
+        for layer, cls in layers:
+            object.__setattr__(layer, "__class__", cls)
+    consumers, reached = {}, set()
+    for index, (layer, parents) in enumerate(walked):
+        # An input a parent received is quantized by that parent.
+        outer = {i for p in parents for _, i in received.get(id(p), ())}
+        mine = {p: i for p, i in received.get(id(layer), ()) if i not in outer}
+        if mine:
+            consumers[index] = dict(sorted(mine.items()))
+            reached |= set(mine.values())
+    missed = sorted(set(targets.values()) - reached)
+    if missed:
+        warnings.warn(
+            f"fixed_point_model: input(s) {missed} of model {model.name!r} "
+            "reach no layer unchanged (the model's own code transforms them "
+            "first), so they are not quantized per sample; the layers' "
+            "weights and outputs still are.",
+            stacklevel=3,
+        )
+    return consumers
+
+
+def make_record(model, walked, seed=None, consumers=None):
+    """The fixed-point record for float `model`: every layer with trainable
+    weights of its own, at any depth, and the layers that receive a model
+    input (`consumers`, from `input_consumers` when None). Every layer
+    starts its random streams at `seed` (a random seed each for None), as
+    the wrappers of earlier keras_mp did: same seed, same draws."""
+    weighted = {
+        index
+        for index, (layer, parents) in enumerate(walked)
+        if twins.runs_in_fixed_point(layer, parents)
+    }
+    if consumers is None:
+        consumers = input_consumers(model, walked)
+    entries = []
+    own = [v.name for v in _keras.own_variables(model) if v.trainable]
+    if own:
+        warnings.warn(
+            f"fixed_point_model: model {model.name!r} holds trainable "
+            f"weights of its own ({', '.join(own)}), outside any layer; they "
+            "train in float32. Move them into a layer to train them in "
+            "fixed point.",
+            stacklevel=3,
+        )
+    if not weighted:
+        raise ValueError(
+            f"Model '{model.name}' has no layer with trainable weights of its "
+            "own below it (a model's own weights cannot be run in fixed "
+            "point in place). Move them into a layer."
+        )
+    for index in sorted(weighted | set(consumers)):
+        entries.append(
+            {
+                "index": index,
+                "seed": None if seed is None else int(seed),
+                "weights": index in weighted,
+                "inputs": list(consumers.get(index, ())),
+            }
+        )
+    return {"layers": entries, "state": entries[0]["index"]}
+
+
+def fixed_point_model(model, seed=None, in_place=False):
+    """Returns a MuPPET-trainable copy of a Keras 3 model.
+
+    Every layer with trainable weights of its own, at any depth (inside
+    nested models, custom layers, subclassed models, keras-hub backbones,
+    the projections of `MultiHeadAttention`), becomes its fixed-point twin
+    in place: each call reads fixed-point copies of its weights (stochastic
+    rounding, straight-through gradients, quantized weight gradients) and
+    quantizes its outputs and the gradients flowing back, so the
+    activations between the sublayers of a custom layer are quantized too.
+    The layers that receive a model input quantize it per sample first.
+    Layer names and the model's structure are the float model's. The copy
+    starts in float32 (word length 0) and computes exactly what `model`
+    computes until `keras_mp.PrecisionSwitching` lowers the precision. It
+    saves to `.keras` and loads with `safe_mode=True`.
+
+    Args:
+        model: built `keras.Model`. A subclassed one needs a `get_config()`
+            returning its constructor arguments and a registered class
+            (unless `in_place=True`).
+        seed: int or None. Seed of the stochastic rounding. Defaults to None.
+        in_place: bool. Switch `model`'s own layers instead of a copy's.
+            Defaults to False.
+
+    Returns:
+        A new, uncompiled `keras_mp.RecordedModel` calling the fixed-point
+        model (its `model` attribute) on `model`'s inputs.
+
+    Raises:
+        TypeError: `model` is not a Keras 3 model (e.g. a tf_keras one).
+        ValueError: `model` is not built, has no trainable weights, is in
+            fixed point already, or cannot be rebuilt from its config.
+
+    Example:
+
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    >>> fp = fixed_point_model(model)
+    >>> fp.compile("sgd", "mse")
+    """
+    _check(model, in_place)
+    inner = (
+        model if in_place else _models.copy_model(model, "fixed_point_model")
+    )
+    walked = _models.walk(inner)
+    apply_fixed_point_record(inner, make_record(inner, walked, seed), walked)
+    return _models.RecordedModel(inner, name=f"{model.name}_fixed_point")
+
+
+_FIXED_POINT = (twins.FixedPointLayer, FixedPointWrapper, FixedPointInput)
 
 
 def fixed_point_layers(model):
     """Yields the layers of `model`, at any depth, that hold a `word_length`
-    variable (`FixedPointWrapper`s and `FixedPointInput`s)."""
-    fixed = (FixedPointWrapper, FixedPointInput)
-    for layer in _models.walk_layers(model, stop_at=fixed):
-        if isinstance(layer, fixed):
+    variable: fixed-point twins (and, in a model loaded from a file of an
+    earlier keras_mp, `FixedPointWrapper`s and `FixedPointInput`s)."""
+    for layer, _ in _models.walk(model):
+        if isinstance(layer, _FIXED_POINT):
             yield layer
 
 
 def precision_state(model):
     """Returns the `PrecisionState` layer of `model`, or None."""
-    for layer in _models.walk_layers(model, stop_at=(FixedPointWrapper,)):
-        if isinstance(layer, PrecisionState):
+    for layer, _ in _models.walk(model):
+        if twins.is_fixed_point(layer):
+            if layer.fixed_point.precision_state is not None:
+                return layer.fixed_point.precision_state
+        elif isinstance(layer, PrecisionState):
             return layer
     return None
 

@@ -186,6 +186,9 @@ def fixed_point_ste(
         out = fixed_point_quantize(value, word_length, forward_seed, per_sample)
 
         def grad(upstream):
+            if isinstance(upstream, tf.IndexedSlices):
+                # An embedding table's gradient: its scale is per tensor.
+                upstream = tf.convert_to_tensor(upstream)
             if quantize_gradient:
                 upstream = fixed_point_quantize(
                     upstream, word_length, backward_seed
