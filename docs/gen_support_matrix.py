@@ -183,8 +183,9 @@ def render():
         "the precision of its neighbours, is not pruned, and stops a "
         "channel permutation (BatchNormalization, in the table, stays "
         "unfolded and TensorRT folds it into the preceding conv). "
-        "`keras_mp.fixed_point_model` (MuPPET) wraps every layer with "
-        "trainable weights, whatever its type. For example: "
+        "`keras_mp.fixed_point_model` (MuPPET) switches every layer with "
+        "trainable weights to fixed point in place, whatever its type and "
+        "depth. For example: "
         + ", ".join(cls.__name__ for cls in OTHERS)
         + ".",
     ]

@@ -6,7 +6,7 @@
 `docs/muppet.md`.
 """
 
-from keras_mp import _models
+from keras_mp import _record
 from keras_mp.muppet.callback import PrecisionSwitching
 from keras_mp.muppet.cost import (
     GPU_THROUGHPUT,
@@ -44,6 +44,6 @@ from keras_mp.muppet.twins import (
     is_fixed_point,
 )
 
-_models.register_section(
+_record.register_section(
     "muppet", fixed_point_record, apply_fixed_point_record, order=30
 )

@@ -15,7 +15,7 @@ random streams, gradient records and switching state. Migration notes:
 
 import keras
 
-from keras_mp import _keras, _models
+from keras_mp import _keras, _models, _record
 from keras_mp.muppet import twins
 from keras_mp.muppet.layers import (
     FixedPointInput,
@@ -195,4 +195,4 @@ def upgrade_fixed_point(model):
     new_state = precision_state(floats)
     for new, old in zip(new_state.weights, old_state.weights, strict=True):
         new.assign(old.value)
-    return _models.RecordedModel(floats, name=model.name)
+    return _record.RecordedModel(floats, name=model.name)

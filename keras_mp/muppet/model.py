@@ -8,7 +8,7 @@ import warnings
 
 import keras
 
-from keras_mp import _keras, _models
+from keras_mp import _keras, _models, _record
 from keras_mp.muppet import twins
 from keras_mp.muppet.layers import (
     FixedPointInput,
@@ -217,7 +217,7 @@ def fixed_point_model(model, seed=None, in_place=False):
     )
     walked = _models.walk(inner)
     apply_fixed_point_record(inner, make_record(inner, walked, seed), walked)
-    return _models.RecordedModel(inner, name=f"{model.name}_fixed_point")
+    return _record.RecordedModel(inner, name=f"{model.name}_fixed_point")
 
 
 _FIXED_POINT = (twins.FixedPointLayer, FixedPointWrapper, FixedPointInput)

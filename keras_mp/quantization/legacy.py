@@ -340,7 +340,10 @@ def upgrade(model):
     makes today: a `keras_mp.RecordedModel` whose layers have their own
     names, with the same placement, weights and ranges (same outputs); for
     an annotated model, a float model whose layers carry the annotation,
-    ready for `keras_mp.quantize_apply`.
+    ready for `keras_mp.quantize_apply`. A MuPPET model of `FixedPointWrapper`
+    layers comes back as `keras_mp.fixed_point_model` makes it today
+    (`keras_mp.muppet.upgrade_fixed_point`: fixed-point layers in place,
+    same word length, weights and switching state).
 
     Args:
         model: a `keras.Model` loaded from an old `.keras` file.
@@ -359,17 +362,20 @@ def upgrade(model):
     >>> qmodel = keras_mp.upgrade(old)  # doctest: +SKIP
     >>> qmodel.save("quantized.keras")  # doctest: +SKIP
     """
+    from keras_mp.muppet import legacy as muppet_legacy
     from keras_mp.quantization import inplace, twins
     from keras_mp.quantization.recipe import Recipe, apply_recipe
 
     _models.check_model(model, "upgrade")
     found = legacy_layers(model)
+    if not found and muppet_legacy.legacy_fixed_point_layers(model):
+        return muppet_legacy.upgrade_fixed_point(model)
     if not found:
         raise ValueError(
-            f"`upgrade`: model {model.name!r} holds no QuantizeWrapper or "
-            "QuantizeAnnotate layer of an earlier keras_mp: there is nothing "
-            "to upgrade. A float model is quantized with "
-            "`keras_mp.quantize_model(model)`."
+            f"`upgrade`: model {model.name!r} holds no QuantizeWrapper, "
+            "QuantizeAnnotate or FixedPointWrapper layer of an earlier "
+            "keras_mp: there is nothing to upgrade. A float model is "
+            "quantized with `keras_mp.quantize_model(model)`."
         )
     if twins.quantized_layers(model):
         raise ValueError(

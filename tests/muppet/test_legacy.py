@@ -8,6 +8,7 @@ import keras
 import numpy as np
 import pytest
 
+import keras_mp
 from keras_mp import RecordedModel
 from keras_mp.muppet import (
     FixedPointInput,
@@ -103,7 +104,7 @@ def test_committed_fixture_upgrades_with_the_same_outputs(tmp_path):
         os.path.join(FIXTURES, "muppet.keras"), safe_mode=True
     )
     saved = np.load(os.path.join(FIXTURES, "muppet.npz"))
-    new = upgrade_fixed_point(old)
+    new = keras_mp.upgrade(old)  # the public entry: upgrade_fixed_point
     assert [layer.name for layer in fixed_point_layers(new)] == [
         "conv",
         "bn",
