@@ -27,8 +27,10 @@ data: $(FASHION_MNIST)
 demo: $(STAMP) data
 	$(VENV)/bin/keras-mp demo --output demo-report $(DEMO_ARGS)
 
+# Two workers (the machines have 2 cores; TensorFlow's CPU kernels use one
+# for most of these small models); a test file stays on one worker.
 test: $(STAMP) data
-	$(PY) -m pytest -m "not slow" -q -p no:cacheprovider
+	$(PY) -m pytest -m "not slow" -q -p no:cacheprovider -n 2 --dist loadfile
 
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict -d site
