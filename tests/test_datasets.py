@@ -131,10 +131,11 @@ def test_mismatched_image_and_label_files_are_reported(tmp_path):
         ),
         (
             "broken.idx.gz",
-            gzip.compress(b"\0" * 64)[:20],
+            gzip.compress(b"\0" * 64, mtime=0)[:20],
             "broken.idx.gz.*corrupt; reinstall",
         ),
     ],
+    ids=["magic", "type", "short", "gzip"],
 )
 def test_corrupt_idx_file_is_reported(tmp_path, name, data, match):
     (tmp_path / name).write_bytes(data)
