@@ -342,6 +342,8 @@ _HUB_ATTENTION = {
         ("qwen3_moe.qwen3_moe_attention", "Qwen3MoeAttention"),
         ("phi3.phi3_attention", "Phi3Attention"),
         ("gpt_neo_x.gpt_neo_x_attention", "GPTNeoXAttention"),
+        ("smollm3.smollm3_layers", "SmolLM3Attention"),
+        ("qwen3_5.qwen3_5_attention", "Qwen3_5Attention"),
     ),
     "gemma": (
         ("gemma.gemma_attention", "CachedGemmaAttention"),

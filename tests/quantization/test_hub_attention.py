@@ -41,14 +41,36 @@ BACKBONES = {
     "gpt_neo_x": lambda: M.GPTNeoXBackbone(
         **SMALL, num_heads=2, intermediate_dim=32
     ),
+    "smollm3": lambda: M.SmolLM3Backbone(
+        **SMALL,
+        intermediate_dim=32,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        attention_bias=False,
+        attention_dropout=0.0,
+        rope_layer_enabled_list=[True],
+        layer_types=["attention"],
+        mlp_bias=False,
+        layer_norm_epsilon=1e-6,
+        max_position_embeddings=SEQ,
+        rope_theta=10000.0,
+        partial_rotary_factor=1.0,
+    ),
+    # Its full-attention layers only (the default mixes in gated delta-net
+    # linear attention, a recurrence of its own).
+    "qwen3_5": lambda: M.Qwen3_5Backbone(
+        **SMALL, **HEADS, head_dim=8, layer_types=["full_attention"]
+    ),
 }
 # How the scale multiply sits in each exported graph: on the query before
 # its Q/DQ (Gemma), or on the scores between the first matmul and the
 # softmax (the others, as keras-hub computes them).
 SCALE = {"gemma": "before"}
 # MoE expert kernels are keras-hub weights of their own, no layer-table
-# type: their matmuls stay float (what the export warns about).
-FLOAT_WEIGHTED = {"mixtral": 2, "qwen_moe": 2, "qwen3_moe": 2}
+# type: their matmuls stay float (what the export warns about). SmolLM3's
+# rotary embedding computes its angles with a MatMul of two position-only
+# tensors (no activation in it): float.
+FLOAT_WEIGHTED = {"mixtral": 2, "qwen_moe": 2, "qwen3_moe": 2, "smollm3": 1}
 
 
 def tokens(n=16, seed=0):
