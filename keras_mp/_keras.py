@@ -330,7 +330,10 @@ def is_plain_graph_model(model):
 # matmuls of `_compute_disentangled_attention`, which
 # `deberta_relative_scores` reimplements;
 # "t5": the two matmuls are inline in `call`, which `t5_attention`
-# reimplements.
+# reimplements;
+# "t5gemma": Gemma subclasses whose `_compute_attention_without_fused_op`
+# applies a `Softmax` sublayer (no `_masked_softmax`), which
+# `t5gemma_attention` reimplements.
 _HUB_ATTENTION = {
     "hooks": (
         ("llama.llama_attention", "LlamaAttention"),
@@ -353,6 +356,11 @@ _HUB_ATTENTION = {
         ("deberta_v3.disentangled_self_attention", "DisentangledSelfAttention"),
     ),
     "t5": (("t5.t5_multi_head_attention", "T5MultiHeadAttention"),),
+    "t5gemma": (
+        ("t5gemma.t5gemma_attention", "T5GemmaAttention"),
+        ("t5gemma2.t5gemma2_attention", "T5Gemma2Attention"),
+        ("t5gemma2.t5gemma2_attention", "T5Gemma2MergedAttention"),
+    ),
 }
 # The methods of each kind keras_mp overrides or reimplements: a subclass
 # that overrides one computes attention its own way (not reached).
@@ -365,6 +373,7 @@ _HUB_ATTENTION_METHODS = {
         "_compute_disentangled_attention",
     ),
     "t5": ("call",),
+    "t5gemma": ("_compute_attention", "_compute_attention_without_fused_op"),
 }
 
 
@@ -392,8 +401,8 @@ def _hub_attention_methods():
 
 def hub_attention_kind(cls):
     """How keras_mp reaches the attention matmuls of layer class `cls`:
-    a kind of `_HUB_ATTENTION` (`"hooks"`, `"gemma"`, `"deberta"`, `"t5"`)
-    for a keras-hub attention
+    a kind of `_HUB_ATTENTION` (`"hooks"`, `"gemma"`, `"deberta"`, `"t5"`,
+    `"t5gemma"`) for a keras-hub attention
     class listed there, or a subclass that keeps its attention methods;
     None otherwise (keras-hub not imported, or a class that computes
     attention its own way)."""
@@ -627,6 +636,51 @@ def t5_attention(
     )
     output = ops.reshape(output, (batch_size, -1, layer.inner_dim))
     return layer.output_projector(output), position_bias, cache
+
+
+def t5gemma_attention(
+    layer, query, key, value, attention_mask, training, quantize
+):
+    """keras-hub `T5GemmaAttention._compute_attention_without_fused_op`
+    (and T5Gemma 2's two attention classes, the same code), with a hook on
+    each input of the two attention matmuls.
+
+    The same operations in the same order as keras-hub 0.32 (a test checks
+    the outputs are identical with the hooks the identity): the scale and
+    the optional logit soft cap on the scores, the additive mask, the
+    `Softmax` sublayer, dropout: `Q/DQ -> MatMul -> Mul -> Add -> Softmax
+    -> Q/DQ -> MatMul`.
+
+    Args:
+        layer: the attention layer.
+        query, key, value: the projected, rotated tensors, `(B, T, N, H)`
+            and `(B, S, N, H)` (key/value heads already repeated).
+        attention_mask: additive mask broadcastable to `(B, N, T, S)`, or
+            None.
+        training: bool or None, for the attention dropout.
+        quantize: dict of callables by `"query"`, `"key"`, `"probs"` (the
+            softmax output, after dropout) and `"value"`.
+
+    Returns:
+        The attention output, `(B, T, N, H)`.
+    """
+    from keras import ops
+
+    scores = ops.einsum(
+        "btnh,bsnh->bnts", quantize["query"](query), quantize["key"](key)
+    )
+    scores *= layer.scaling
+    if layer.logit_soft_cap is not None:
+        scores = scores / layer.logit_soft_cap
+        scores = ops.tanh(scores)
+        scores = scores * layer.logit_soft_cap
+    if attention_mask is not None:
+        scores += attention_mask
+    probs = ops.cast(layer.softmax(scores), query.dtype)
+    probs = layer.dropout_layer(probs, training=training)
+    return ops.einsum(
+        "bnts,bsnh->btnh", quantize["probs"](probs), quantize["value"](value)
+    )
 
 
 def to_numpy(x):

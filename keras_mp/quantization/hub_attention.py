@@ -178,11 +178,38 @@ class QuantizedT5Attention(_HubAttention):
         return _keras.t5_attention(self, *arguments, training, self._hooks())
 
 
+class QuantizedT5GemmaAttention(_HubAttention):
+    """The twin of keras-hub's `T5GemmaAttention`, `T5Gemma2Attention` and
+    `T5Gemma2MergedAttention`: their einsum path applies a `Softmax`
+    sublayer in place of `_masked_softmax`, so it is reimplemented
+    (`_keras.t5gemma_attention`) with Q/DQ on both inputs of each matmul:
+    `Q/DQ -> MatMul -> Mul (scale) -> Add (mask) -> Softmax -> Q/DQ ->
+    MatMul`."""
+
+    def _compute_attention(
+        self, query_states, key_states, value_states, attention_mask, training
+    ):
+        if not self._quantizing():
+            return super()._compute_attention(
+                query_states, key_states, value_states, attention_mask, training
+            )
+        return _keras.t5gemma_attention(
+            self,
+            query_states,
+            key_states,
+            value_states,
+            attention_mask,
+            training,
+            self._hooks(),
+        )
+
+
 _TWINS = {
     "hooks": QuantizedHookedAttention,
     "gemma": QuantizedGemmaAttention,
     "deberta": QuantizedDisentangledAttention,
     "t5": QuantizedT5Attention,
+    "t5gemma": QuantizedT5GemmaAttention,
 }
 
 

@@ -305,25 +305,18 @@ def test_attention_false_leaves_the_matmuls_float():
 
 
 def test_an_unsupported_attention_layer_is_named_in_the_report():
-    # T5Gemma overrides Gemma's `_compute_attention` with its own.
-    attention = keras_hub.src.models.t5gemma.t5gemma_attention
-    layer = attention.T5GemmaAttention(
-        hidden_size=16,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        query_pre_attn_scalar=1.0,
-        attention_bias=False,
-        head_dim=8,
-        name="t5",
-    )
+    # Bloom computes attention (ALiBi) inline in its `call`.
+    attention = keras_hub.src.models.bloom.bloom_attention
+    layer = attention.BloomAttention(num_heads=2, name="bloom")
     inputs = keras.Input((4, 16))
+    mask = keras.Input((4, 4), dtype="int32")
     assert hub_attention.twin_base(type(layer)) is None
     x = keras.layers.Dense(16, name="proj")(inputs)
-    model = keras.Model(inputs, layer(x))
+    model = keras.Model([inputs, mask], layer(x, attention_mask=mask))
     qmodel = keras_mp.quantize_model(model)
     rows = {r["layer"]: r for r in keras_mp.quantization_report(qmodel, False)}
-    assert rows["t5"]["note"] == (
-        "attention matmuls run in float: T5GemmaAttention not supported"
+    assert rows["bloom"]["note"] == (
+        "attention matmuls run in float: BloomAttention not supported"
     )
 
 
@@ -351,9 +344,26 @@ RELATIVE = {
         dropout=0.0,
     ),
 }
-# Softmax -> MatMul chains: T5 encoder self-attention, decoder self- and
-# cross-attention per layer; DeBERTaV3 self-attention per layer.
-CHAINS = {"t5": 6, "deberta_v3": 2}
+# Softmax -> MatMul chains: T5 (and T5Gemma) encoder self-attention,
+# decoder self- and cross-attention per layer; DeBERTaV3 self-attention
+# per layer.
+CHAINS = {"t5": 6, "deberta_v3": 2, "t5gemma": 3}
+T5GEMMA_STACK = dict(
+    hidden_dim=16,
+    intermediate_dim=32,
+    num_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=8,
+    layer_types=["full_attention"],
+)
+# A Gemma subclass with its own attention code: scale and additive mask
+# on the scores, a Softmax sublayer.
+RELATIVE["t5gemma"] = lambda: M.T5GemmaBackbone(
+    vocabulary_size=VOCAB,
+    **{f"encoder_{k}": v for k, v in T5GEMMA_STACK.items()},
+    **{f"decoder_{k}": v for k, v in T5GEMMA_STACK.items()},
+)
 
 
 def relative_tokens(name, n=16, seed=0):
@@ -376,7 +386,14 @@ def _outputs(model, data):
     return {k: _numpy(v) for k, v in outputs.items()}
 
 
-@pytest.fixture(scope="module", params=sorted(RELATIVE))
+@pytest.fixture(
+    scope="module",
+    params=[
+        "deberta_v3",
+        "t5",
+        pytest.param("t5gemma", marks=pytest.mark.slow),
+    ],
+)
 def relative(request, tmp_path_factory):
     """One quantized, calibrated, saved, reloaded and exported backbone."""
     name = request.param
@@ -517,4 +534,31 @@ def test_deberta_reimplementation_is_keras_hub_exactly():
     rel = rng.standard_normal((1, 8, 8)).astype("float32")
     want = layer._compute_disentangled_attention(q, k, rel)
     got = _keras.deberta_relative_scores(layer, q, k, rel, _identity())
+    np.testing.assert_array_equal(_numpy(got), _numpy(want))
+
+
+T5GEMMA_OPTIONS = [{}, {"attn_logit_softcapping": 30.0}]
+
+
+@pytest.mark.parametrize("options", T5GEMMA_OPTIONS)
+def test_t5gemma_reimplementation_is_keras_hub_exactly(options):
+    attention = keras_hub.src.models.t5gemma.t5gemma_attention
+    layer = attention.T5GemmaAttention(
+        hidden_size=12,
+        num_attention_heads=3,
+        num_key_value_heads=3,
+        query_pre_attn_scalar=4.0,
+        attention_bias=False,
+        head_dim=4,
+        **options,
+    )
+    layer.build((2, 5, 12))
+    rng = np.random.default_rng(0)
+    q, k, v = (
+        rng.standard_normal((2, 5, 3, 4)).astype("float32") for _ in "qkv"
+    )
+    mask = np.where(np.tril(np.ones((5, 5), bool)), 0.0, -1e9)
+    mask = mask[None, None].astype("float32")
+    want = layer._compute_attention_without_fused_op(q, k, v, mask, False)
+    got = _keras.t5gemma_attention(layer, q, k, v, mask, False, _identity())
     np.testing.assert_array_equal(_numpy(got), _numpy(want))
