@@ -110,7 +110,10 @@ INTRO = (
     "`ResNetBackbone` (basic blocks, stages of 64 and 128 filters), "
     "`GemmaBackbone` and `LlamaBackbone` (2 layers, hidden 32, 2 query "
     "heads sharing 1 key/value head; `token_ids` and `padding_mask` of "
-    "length 16). "
+    "length 16), `T5Backbone` (2 encoder and 2 decoder layers, hidden "
+    "32, 2 heads of 16; encoder and decoder token ids and padding masks of "
+    "length 16) and `DebertaV3Backbone` (2 layers, hidden 32, 2 heads, "
+    "relative buckets 8; `token_ids` and `padding_mask` of length 16). "
     "Float: `export_onnx` then `verify_onnx` on 8 random inputs (goal: "
     "relative L2 <= 1e-4, the worst output of several; beside it, Keras "
     "float32 and ONNX Runtime float32 against the model computed in float64 "
@@ -263,6 +266,47 @@ def _llama_tiny():
     return _decoder_tiny("LlamaBackbone")
 
 
+def _t5_tiny():
+    # Relative position bias added to the attention scores; encoder and
+    # decoder (self- and cross-attention), 2 layers each, hidden 32.
+    return _keras_hub().models.T5Backbone(
+        vocabulary_size=VOCAB,
+        num_layers=2,
+        num_heads=2,
+        hidden_dim=32,
+        intermediate_dim=64,
+        key_value_dim=16,
+        dropout=0.0,
+    )
+
+
+def _t5_token_batch(rng, n):
+    """`n` T5 inputs: encoder and decoder token ids and padding masks, as
+    `_lm_token_batch` makes them."""
+    encoder, decoder = _lm_token_batch(rng, n), _lm_token_batch(rng, n)
+    return {
+        "encoder_token_ids": encoder["token_ids"],
+        "encoder_padding_mask": encoder["padding_mask"],
+        "decoder_token_ids": decoder["token_ids"],
+        "decoder_padding_mask": decoder["padding_mask"],
+    }
+
+
+def _deberta_v3_tiny():
+    # Disentangled attention: content-to-position and position-to-content
+    # scores, two more activation matmuls per layer.
+    return _keras_hub().models.DebertaV3Backbone(
+        vocabulary_size=VOCAB,
+        num_layers=2,
+        num_heads=2,
+        hidden_dim=32,
+        intermediate_dim=64,
+        max_sequence_length=SEQ,
+        bucket_size=8,
+        dropout=0.0,
+    )
+
+
 def _resnet_basic():
     # keras-hub's ResNet needs 64 filters in its first stage (and so in
     # the stem, for the basic block's identity shortcut).
@@ -322,6 +366,8 @@ HUB = {
     "ResNetBackbone_basic": (_resnet_basic, _images((32, 32, 3))),
     "GemmaBackbone_tiny": (_gemma_tiny, _lm_token_batch),
     "LlamaBackbone_tiny": (_llama_tiny, _lm_token_batch),
+    "T5Backbone_tiny": (_t5_tiny, _t5_token_batch),
+    "DebertaV3Backbone_tiny": (_deberta_v3_tiny, _lm_token_batch),
 }
 ZOO = {**APPLICATIONS, **HUB}
 # The fast subset: depthwise convolutions and residual Adds (MobileNetV2),

@@ -281,7 +281,9 @@ def float_attention_note(layer):
     """Why the attention matmuls of float (not quantized) `layer` run in
     float, or "" when it is not an attention layer: a keras-hub attention
     row left out, or a layer named `...Attention...` with sublayers or
-    weights whose type the table does not know."""
+    weights whose type the table does not know, and no `...Attention...`
+    sublayer (a block such as DeBERTaV3's `DisentangledAttentionEncoder`:
+    its attention is the sublayer's row)."""
     row = row_for(layer)
     if row is not None:
         if row is _HUB_ATTENTION_ROW:
@@ -292,7 +294,10 @@ def float_attention_note(layer):
             )
         return ""
     name = type(layer).__name__
-    holds = _keras.sublayers(layer) or _keras.own_variables(layer)
+    inner = _keras.sublayers(layer)
+    holds = inner or _keras.own_variables(layer)
+    if any("Attention" in type(sub).__name__ for sub in inner):
+        return ""
     if "Attention" in name and holds:
         return f"attention matmuls run in float: {name} not supported"
     return ""

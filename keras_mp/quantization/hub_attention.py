@@ -1,10 +1,11 @@
-"""Quantized twins of keras-hub's own attention layers (Gemma, Llama, ...).
+"""Quantized twins of keras-hub's own attention layers (Gemma, Llama, T5,
+DeBERTaV3, ...).
 
-keras-hub's decoder LLMs compute attention in plain `keras.layers.Layer`
-classes, not `MultiHeadAttention`: their query, key, value and output
-projections are EinsumDense sublayers (quantized as any EinsumDense, each
-with its own input Q/DQ), and the two attention matmuls are `ops.einsum`
-calls inside the layer's `_compute_attention`. These twins put TensorRT's
+keras-hub's decoder LLMs, T5 and DeBERTaV3 compute attention in plain
+`keras.layers.Layer` classes, not `MultiHeadAttention`: their query, key,
+value and output projections are Dense or EinsumDense sublayers (quantized
+as any, each with its own input Q/DQ), and the attention matmuls are
+`ops.einsum` calls inside the layer. These twins put TensorRT's
 Q/DQ on the inputs of both matmuls (the query and key; the softmax output
 and the value), force the einsum path over `ops.dot_product_attention`,
 and with their quantizers off are the float layer exactly. Which classes
@@ -129,7 +130,87 @@ class QuantizedGemmaAttention(_HubAttention):
         )
 
 
-_TWINS = {"hooks": QuantizedHookedAttention, "gemma": QuantizedGemmaAttention}
+class QuantizedDisentangledAttention(QuantizedHookedAttention):
+    """The twin of keras-hub's `DisentangledSelfAttention` (DeBERTaV3): the
+    content matmuls as `QuantizedHookedAttention`, and Q/DQ on the
+    position query and key of its content-to-position and
+    position-to-content matmuls (`_keras.deberta_relative_scores`), which
+    share the content query's and key's ranges: all four activation
+    matmuls read `Q/DQ -> MatMul`."""
+
+    def _compute_disentangled_attention(self, query, key, rel_embeddings):
+        if not self._quantizing():
+            return super()._compute_disentangled_attention(
+                query, key, rel_embeddings
+            )
+        return _keras.deberta_relative_scores(
+            self, query, key, rel_embeddings, self._hooks()
+        )
+
+
+class QuantizedT5Attention(_HubAttention):
+    """The twin of keras-hub's `T5MultiHeadAttention`: its matmuls are
+    inline in `call`, reimplemented (`_keras.t5_attention`) with Q/DQ on
+    both inputs of each; the relative position bias is added to the
+    scores in float: `Q/DQ -> MatMul -> Add(bias) -> Softmax -> Q/DQ ->
+    MatMul`."""
+
+    def call(
+        self,
+        hidden_states,
+        mask=None,
+        key_value_states=None,
+        position_bias=None,
+        cache=None,
+        cache_update_index=None,
+        training=False,
+    ):
+        arguments = (
+            hidden_states,
+            mask,
+            key_value_states,
+            position_bias,
+            cache,
+            cache_update_index,
+        )
+        if not self._quantizing():
+            return super().call(*arguments, training=training)
+        return _keras.t5_attention(self, *arguments, training, self._hooks())
+
+
+class QuantizedT5GemmaAttention(_HubAttention):
+    """The twin of keras-hub's `T5GemmaAttention`, `T5Gemma2Attention` and
+    `T5Gemma2MergedAttention`: their einsum path applies a `Softmax`
+    sublayer in place of `_masked_softmax`, so it is reimplemented
+    (`_keras.t5gemma_attention`) with Q/DQ on both inputs of each matmul:
+    `Q/DQ -> MatMul -> Mul (scale) -> Add (mask) -> Softmax -> Q/DQ ->
+    MatMul`."""
+
+    def _compute_attention(
+        self, query_states, key_states, value_states, attention_mask, training
+    ):
+        if not self._quantizing():
+            return super()._compute_attention(
+                query_states, key_states, value_states, attention_mask, training
+            )
+        return _keras.t5gemma_attention(
+            self,
+            query_states,
+            key_states,
+            value_states,
+            attention_mask,
+            training,
+            self._hooks(),
+        )
+
+
+_TWINS = {
+    "hooks": QuantizedHookedAttention,
+    "gemma": QuantizedGemmaAttention,
+    "deberta": QuantizedDisentangledAttention,
+    "t5": QuantizedT5Attention,
+    "t5gemma": QuantizedT5GemmaAttention,
+}
 
 
 def twin_base(cls):

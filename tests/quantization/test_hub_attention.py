@@ -41,14 +41,36 @@ BACKBONES = {
     "gpt_neo_x": lambda: M.GPTNeoXBackbone(
         **SMALL, num_heads=2, intermediate_dim=32
     ),
+    "smollm3": lambda: M.SmolLM3Backbone(
+        **SMALL,
+        intermediate_dim=32,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        attention_bias=False,
+        attention_dropout=0.0,
+        rope_layer_enabled_list=[True],
+        layer_types=["attention"],
+        mlp_bias=False,
+        layer_norm_epsilon=1e-6,
+        max_position_embeddings=SEQ,
+        rope_theta=10000.0,
+        partial_rotary_factor=1.0,
+    ),
+    # Its full-attention layers only (the default mixes in gated delta-net
+    # linear attention, a recurrence of its own).
+    "qwen3_5": lambda: M.Qwen3_5Backbone(
+        **SMALL, **HEADS, head_dim=8, layer_types=["full_attention"]
+    ),
 }
 # How the scale multiply sits in each exported graph: on the query before
 # its Q/DQ (Gemma), or on the scores between the first matmul and the
 # softmax (the others, as keras-hub computes them).
 SCALE = {"gemma": "before"}
 # MoE expert kernels are keras-hub weights of their own, no layer-table
-# type: their matmuls stay float (what the export warns about).
-FLOAT_WEIGHTED = {"mixtral": 2, "qwen_moe": 2, "qwen3_moe": 2}
+# type: their matmuls stay float (what the export warns about). SmolLM3's
+# rotary embedding computes its angles with a MatMul of two position-only
+# tensors (no activation in it): float.
+FLOAT_WEIGHTED = {"mixtral": 2, "qwen_moe": 2, "qwen3_moe": 2, "smollm3": 1}
 
 
 def tokens(n=16, seed=0):
@@ -283,23 +305,260 @@ def test_attention_false_leaves_the_matmuls_float():
 
 
 def test_an_unsupported_attention_layer_is_named_in_the_report():
-    # T5Gemma overrides Gemma's `_compute_attention` with its own.
-    attention = keras_hub.src.models.t5gemma.t5gemma_attention
-    layer = attention.T5GemmaAttention(
-        hidden_size=16,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        query_pre_attn_scalar=1.0,
-        attention_bias=False,
-        head_dim=8,
-        name="t5",
-    )
+    # Bloom computes attention (ALiBi) inline in its `call`.
+    attention = keras_hub.src.models.bloom.bloom_attention
+    layer = attention.BloomAttention(num_heads=2, name="bloom")
     inputs = keras.Input((4, 16))
+    mask = keras.Input((4, 4), dtype="int32")
     assert hub_attention.twin_base(type(layer)) is None
     x = keras.layers.Dense(16, name="proj")(inputs)
-    model = keras.Model(inputs, layer(x))
+    model = keras.Model([inputs, mask], layer(x, attention_mask=mask))
     qmodel = keras_mp.quantize_model(model)
     rows = {r["layer"]: r for r in keras_mp.quantization_report(qmodel, False)}
-    assert rows["t5"]["note"] == (
-        "attention matmuls run in float: T5GemmaAttention not supported"
+    assert rows["bloom"]["note"] == (
+        "attention matmuls run in float: BloomAttention not supported"
     )
+
+
+# Attention with a position term of its own: T5 adds a relative position
+# bias to the scores, DeBERTaV3 adds content-to-position and
+# position-to-content scores (two more activation matmuls).
+RELATIVE = {
+    "t5": lambda: M.T5Backbone(
+        vocabulary_size=VOCAB,
+        num_layers=2,
+        num_heads=2,
+        hidden_dim=16,
+        intermediate_dim=32,
+        key_value_dim=8,
+        dropout=0.0,
+    ),
+    "deberta_v3": lambda: M.DebertaV3Backbone(
+        vocabulary_size=VOCAB,
+        num_layers=2,
+        num_heads=2,
+        hidden_dim=16,
+        intermediate_dim=32,
+        max_sequence_length=SEQ,
+        bucket_size=4,
+        dropout=0.0,
+    ),
+}
+# Softmax -> MatMul chains: T5 (and T5Gemma) encoder self-attention,
+# decoder self- and cross-attention per layer; DeBERTaV3 self-attention
+# per layer.
+CHAINS = {"t5": 6, "deberta_v3": 2, "t5gemma": 3}
+T5GEMMA_STACK = dict(
+    hidden_dim=16,
+    intermediate_dim=32,
+    num_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=8,
+    layer_types=["full_attention"],
+)
+# A Gemma subclass with its own attention code: scale and additive mask
+# on the scores, a Softmax sublayer.
+RELATIVE["t5gemma"] = lambda: M.T5GemmaBackbone(
+    vocabulary_size=VOCAB,
+    **{f"encoder_{k}": v for k, v in T5GEMMA_STACK.items()},
+    **{f"decoder_{k}": v for k, v in T5GEMMA_STACK.items()},
+)
+
+
+def relative_tokens(name, n=16, seed=0):
+    data = tokens(n, seed)
+    if name == "deberta_v3":
+        return data
+    decoder = tokens(n, seed + 100)
+    return {
+        "encoder_token_ids": data["token_ids"],
+        "encoder_padding_mask": data["padding_mask"],
+        "decoder_token_ids": decoder["token_ids"],
+        "decoder_padding_mask": decoder["padding_mask"],
+    }
+
+
+def _outputs(model, data):
+    outputs = model(data)
+    if not isinstance(outputs, dict):
+        outputs = {"sequence_output": outputs}
+    return {k: _numpy(v) for k, v in outputs.items()}
+
+
+@pytest.fixture(
+    scope="module",
+    params=[
+        "deberta_v3",
+        "t5",
+        pytest.param("t5gemma", marks=pytest.mark.slow),
+    ],
+)
+def relative(request, tmp_path_factory):
+    """One quantized, calibrated, saved, reloaded and exported backbone."""
+    name = request.param
+    directory = tmp_path_factory.mktemp(name)
+    model = RELATIVE[name]()
+    qmodel = keras_mp.quantize_model(model)
+    keras_mp.calibrate(qmodel, relative_tokens(name), verbose=0)
+    qmodel.save(directory / "q.keras")
+    loaded = keras.saving.load_model(directory / "q.keras", safe_mode=True)
+    path = str(directory / f"{name}.onnx")
+    # verify_data: ONNX Runtime parity (ParityError past 1e-2 rel L2)
+    keras_mp.export_onnx(
+        qmodel, path, verify_data=relative_tokens(name, 8, seed=1)
+    )
+    return name, model, qmodel, loaded, path
+
+
+def test_relative_attention_twins_round_trip(relative):
+    name, model, qmodel, loaded, _ = relative
+    twins = _attention_twins(qmodel)
+    assert len(twins) == CHAINS[name]
+    assert all(len(t.attention_quantizers) == 4 for t in twins)
+    assert all(
+        float(q.amax.numpy()) > 0
+        for t in twins
+        for q in t.named_quantizers().values()
+    )
+    rows = keras_mp.quantization_report(qmodel, verbose=False)
+    assert not [r for r in rows if r["note"].startswith("attention matmuls")]
+    data = relative_tokens(name, 8, seed=3)
+    got, want = _outputs(qmodel, data), _outputs(model, data)
+    for key, value in want.items():
+        error = np.linalg.norm(got[key] - value) / np.linalg.norm(value)
+        assert 0 < error < 0.1, key
+    assert len(_attention_twins(loaded)) == CHAINS[name]
+    for key, value in _outputs(loaded, data).items():
+        np.testing.assert_array_equal(value, got[key])
+
+
+def test_relative_attention_export_puts_every_matmul_behind_qdq(relative):
+    name, _, qmodel, _, path = relative
+    lint = keras_mp.check_tensorrt(path)
+    assert lint.ok, lint.to_markdown()
+    # counted as benchmarks/bench_zoo.py counts: every Conv/MatMul/Gemm,
+    # the attention matmuls among them
+    graph = GraphIndex(onnx.load(path))
+    floats = [
+        graph.name(op)
+        for op in graph.weighted
+        if not all(graph.quantized_inputs(op))
+    ]
+    assert floats == []
+    assert lint.weighted_ops == lint.weighted_ops_quantized
+    assert lint.weighted_ops_quantized / lint.weighted_ops >= 0.95
+    chains = attention_chains(path)
+    assert len(chains) == CHAINS[name]
+    assert all(ok for ok, _ in chains), chains
+    parity = keras_mp.verify_onnx(
+        qmodel,
+        path,
+        relative_tokens(name, 8, seed=2),
+        min_top1_agreement=0.0,
+    )
+    assert parity.rel_l2 < 1e-2
+
+
+def _identity():
+    return dict.fromkeys(("query", "key", "probs", "value"), lambda x: x)
+
+
+T5_CALLS = {
+    "encoder": dict(is_decoder=False, bias=True, cross=False, cache=False),
+    "decoder_cross": dict(is_decoder=True, bias=False, cross=True, cache=False),
+    "decoder_cached": dict(is_decoder=True, bias=True, cross=False, cache=True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(T5_CALLS))
+def test_t5_reimplementation_is_keras_hub_exactly(case):
+    # keras_mp recomputes T5's attention to place the Q/DQ; with the hooks
+    # the identity it must be keras-hub's code, bit for bit.
+    options = T5_CALLS[case]
+    t5 = keras_hub.src.models.t5.t5_multi_head_attention
+    layer = t5.T5MultiHeadAttention(
+        is_decoder=options["is_decoder"],
+        hidden_dim=12,
+        key_value_dim=4,
+        num_heads=3,
+        dropout=0.0,
+        use_relative_attention_bias=options["bias"],
+    )
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 5, 12)).astype("float32")
+    mask = np.tril(np.ones((5, 5), "int32"))[None].repeat(2, 0)
+    kwargs = {"mask": mask}
+    if options["cross"]:
+        kwargs = {
+            "key_value_states": rng.standard_normal((2, 6, 12)).astype(
+                "float32"
+            ),
+            "position_bias": rng.standard_normal((1, 3, 5, 6)).astype(
+                "float32"
+            ),
+        }
+    if options["cache"]:
+        x = x[:, :1]
+        kwargs = {
+            "cache": rng.standard_normal((2, 2, 5, 3, 4)).astype("float32"),
+            "cache_update_index": 2,
+        }
+    want = layer(x, **kwargs)
+    arguments = {
+        name: kwargs.get(name)
+        for name in (
+            "mask",
+            "key_value_states",
+            "position_bias",
+            "cache",
+            "cache_update_index",
+        )
+    }
+    got = _keras.t5_attention(layer, x, *arguments.values(), False, _identity())
+    for g, w in zip(got, want):
+        if w is None:
+            assert g is None
+        else:
+            np.testing.assert_array_equal(_numpy(g), _numpy(w))
+
+
+def test_deberta_reimplementation_is_keras_hub_exactly():
+    deberta = keras_hub.src.models.deberta_v3.disentangled_self_attention
+    layer = deberta.DisentangledSelfAttention(
+        num_heads=2, hidden_dim=8, max_position_embeddings=16, bucket_size=4
+    )
+    layer.build((2, 7, 8))
+    rng = np.random.default_rng(0)
+    q, k = (rng.standard_normal((2, 7, 2, 4)).astype("float32") for _ in "qk")
+    rel = rng.standard_normal((1, 8, 8)).astype("float32")
+    want = layer._compute_disentangled_attention(q, k, rel)
+    got = _keras.deberta_relative_scores(layer, q, k, rel, _identity())
+    np.testing.assert_array_equal(_numpy(got), _numpy(want))
+
+
+T5GEMMA_OPTIONS = [{}, {"attn_logit_softcapping": 30.0}]
+
+
+@pytest.mark.parametrize("options", T5GEMMA_OPTIONS)
+def test_t5gemma_reimplementation_is_keras_hub_exactly(options):
+    attention = keras_hub.src.models.t5gemma.t5gemma_attention
+    layer = attention.T5GemmaAttention(
+        hidden_size=12,
+        num_attention_heads=3,
+        num_key_value_heads=3,
+        query_pre_attn_scalar=4.0,
+        attention_bias=False,
+        head_dim=4,
+        **options,
+    )
+    layer.build((2, 5, 12))
+    rng = np.random.default_rng(0)
+    q, k, v = (
+        rng.standard_normal((2, 5, 3, 4)).astype("float32") for _ in "qkv"
+    )
+    mask = np.where(np.tril(np.ones((5, 5), bool)), 0.0, -1e9)
+    mask = mask[None, None].astype("float32")
+    want = layer._compute_attention_without_fused_op(q, k, v, mask, False)
+    got = _keras.t5gemma_attention(layer, q, k, v, mask, False, _identity())
+    np.testing.assert_array_equal(_numpy(got), _numpy(want))
