@@ -65,7 +65,8 @@ class QuantizedModel(_record.LoadOnlyContainer):
 
     Args:
         model: the `keras.Model` quantized in place.
-        recipe: ignored (the record is read from the model's layers).
+        *args: ignored (the recipe it took: the record is read from the
+            model's layers).
         **kwargs: `name`, `trainable`.
     """
 
