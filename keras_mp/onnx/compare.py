@@ -10,6 +10,7 @@ from keras_mp._models import check_graph_model
 from keras_mp.onnx.compare_graph import FLOAT_TYPES, Graph, error, fits
 from keras_mp.onnx.compare_graph import run as run_onnx
 from keras_mp.onnx.compare_trace import keras_values, trace
+from keras_mp.onnx.twin import float32_twin, half_compute_dtype
 from keras_mp.quantization.layers import QuantizeActivation
 from keras_mp.quantization.legacy import check_current
 
@@ -57,6 +58,9 @@ class CompareReport:
             compared.
         max_steps: float. Tolerance at a Q/DQ, in quantization steps.
         max_rel_l2: float. Tolerance at a layer's output.
+        precision: str. The float type of the ONNX graph, which set the
+            default tolerances: `"float32"`, or `"float16"` for a graph
+            exported with `fp16=True`.
     """
 
     samples: int
@@ -64,6 +68,7 @@ class CompareReport:
     unmatched: list
     max_steps: float
     max_rel_l2: float
+    precision: str = "float32"
 
     @property
     def first_divergence(self):
@@ -94,9 +99,10 @@ class CompareReport:
         )
         text = [
             f"Keras vs ONNX Runtime (optimizations off) on {self.samples} "
-            f"inputs, {len(self.rows)} layers compared (tolerance: "
-            f"{self.max_steps:g} quantization step at a Q/DQ, relative L2 "
-            f"{self.max_rel_l2:g} at a layer output): {verdict}.",
+            f"inputs, {len(self.rows)} layers compared ({self.precision} "
+            f"graph; tolerance: {self.max_steps:g} quantization step at a "
+            f"Q/DQ, relative L2 {self.max_rel_l2:g} at a layer output): "
+            f"{verdict}.",
             self.to_markdown(),
         ]
         if self.unmatched:
@@ -121,22 +127,35 @@ def _inputs(model, data, samples):
     return [x[:samples] for x in arrays] if samples else arrays
 
 
+# Candidates kept per layer call when its tensor was renamed: enough for
+# the calls of a layer repeated over time steps (`TimeDistributed`), whose
+# tensors share one scope.
+_MAX_CANDIDATES = 64
+
+
 def _match(graph, call, shape):
-    """(the ONNX tensor holding `call`'s output, None), or (None, why not).
+    """(the ONNX tensors that may hold `call`'s output, None), or (None,
+    why not).
 
     The tensor of the same TensorFlow name when tf2onnx kept it; else the
-    last float tensor of a fitting shape among the nodes of the scope that
+    float tensors of a fitting shape among the nodes of the scope that
     produced the output (a layer returning its input points to its
-    producer), then among the nodes of the layer's own scope.
+    producer), then among the nodes of the layer's own scope, last first:
+    the values decide among them (a layer called once per time step has
+    one such tensor per step in the same scope).
     """
     elem, dims = graph.types.get(call.tensor, (None, None))
     if elem in FLOAT_TYPES and fits(dims, shape):
-        return call.tensor, None
+        return [call.tensor], None
     producer = call.tensor.rsplit("/", 1)[0]
     for scope in dict.fromkeys((producer, call.scope)):
-        for name, dims in graph.float_outputs(scope):
-            if fits(dims, shape):
-                return name, None
+        found = [
+            name
+            for name, dims in graph.float_outputs(scope)
+            if fits(dims, shape)
+        ]
+        if found:
+            return found[:_MAX_CANDIDATES], None
     if call.scope not in graph.groups:
         return None, (
             "no ONNX node carries its name (folded into a constant, or "
@@ -156,14 +175,14 @@ def _plan(graph, calls, values):
     """
     plan, unmatched, orphans = [], [], []
     for depth, call in enumerate(calls):
-        tensor, why = _match(graph, call, values[call.output].shape)
-        if tensor is not None:
-            plan.append((depth, call, [tensor]))
+        tensors, why = _match(graph, call, values[call.output].shape)
+        if tensors is not None:
+            plan.append((depth, call, tensors))
         elif _is_qdq(call.layer):
             orphans.append((depth, call, why))
         else:
             unmatched.append((call.name, why))
-    taken = {tensors[0] for _, _, tensors in plan}
+    taken = {tensors[0] for _, _, tensors in plan if len(tensors) == 1}
     for depth, call, why in orphans:
         parent = call.scope.rsplit("/", 1)[0]
         free = [dq for dq in graph.activation_dqs(parent) if dq not in taken]
@@ -193,7 +212,7 @@ def _kind(layer):
 
 
 def compare_onnx(
-    model, onnx_path, data, samples=None, max_steps=1.0, max_rel_l2=1e-3
+    model, onnx_path, data, samples=None, max_steps=None, max_rel_l2=None
 ):
     """Compares an exported ONNX file with its Keras model layer by layer.
 
@@ -232,9 +251,17 @@ def compare_onnx(
         max_steps: float. A Q/DQ whose error is more than this many
             quantization steps diverges (up to float32 rounding of the
             step: a one-step rounding flip does not, at 1.0). Defaults to
-            1.0.
+            None: 1.0 for a float32 graph, 1.124 for a float16 one (a
+            flip plus the float16 rounding of the scale and the output,
+            127 * 2**-11 step each).
         max_rel_l2: float. A layer output whose relative L2 error exceeds
-            this diverges. Defaults to 1e-3.
+            this diverges. Defaults to None: 1e-3 for a float32 graph,
+            1e-2 for a float16 one (`export_onnx(fp16=True)`), whose
+            activations carry float16 rounding.
+
+    A model whose layers compute in float16 or bfloat16 is compared as
+    `export_onnx` exported it: through its float32 twin
+    (`keras_mp.onnx.twin.float32_twin`).
 
     Returns:
         `CompareReport` (`.rows`, `.first_divergence`, `.to_markdown()`,
@@ -280,9 +307,16 @@ def compare_onnx(
             "model. Export it with keras_mp.export_onnx(model, path)."
         )
     specs = _inputs_mod.input_specs(model, "compare_onnx")
-    run, calls, never = trace(model, specs)
+    # export_onnx traced the float32 twin of a 16-bit model: that is what
+    # the graph computes, so that is what its layers are compared with.
+    traced = float32_twin(model) if half_compute_dtype(model) else model
+    run, calls, never = trace(traced, specs)
     values = keras_values(run, inputs)
     graph = Graph(proto)
+    precision = "float16" if graph.float16 else "float32"
+    max_steps = _TOLERANCES[precision][0] if max_steps is None else max_steps
+    if max_rel_l2 is None:
+        max_rel_l2 = _TOLERANCES[precision][1]
 
     plan, unmatched = _plan(graph, calls, values)
     unmatched = [(path, why) for _, path, why in never] + unmatched
@@ -320,8 +354,18 @@ def compare_onnx(
                 depth, call.name, _kind(layer), tensor, *err, steps, diverged
             )
         )
-    return CompareReport(len(inputs[0]), rows, unmatched, max_steps, max_rel_l2)
+    return CompareReport(
+        len(inputs[0]), rows, unmatched, max_steps, max_rel_l2, precision
+    )
 
+
+# (max_steps, max_rel_l2) by the graph's float type. A float16 graph
+# (`export_onnx(fp16=True)`) rounds every activation to 11 significant
+# bits (a relative error up to 2**-11 per op, which adds up over layers),
+# and a Q/DQ's scale and output too: each moves a code of 127 by up to
+# 127 * 2**-11 = 0.06 step, on top of a rounding flip.
+_FLOAT16_STEPS = 1.0 + 2 * 127 * 2.0**-11
+_TOLERANCES = {"float32": (1.0, 1e-3), "float16": (_FLOAT16_STEPS, 1e-2)}
 
 # A one-step rounding flip measures 1 step only up to float32 rounding of
 # the step itself (1.0000008, say): not a divergence at max_steps=1.

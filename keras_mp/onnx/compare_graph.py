@@ -12,40 +12,71 @@ from keras_mp._compat import optional_import
 from keras_mp.onnx.parity import ort_session, run_session
 
 FLOAT_TYPES = (1, 10, 11)  # onnx.TensorProto FLOAT, FLOAT16, DOUBLE
+FLOAT16 = 10
+
+
+# Layouts tried per tensor: every order of the Keras output's axes up to
+# this rank (6! = 720 shape checks), the identity alone beyond it.
+_MAX_PERMUTED_RANK = 6
+
+
+def _merges(shape, target):
+    """Whether `target` is `shape` with runs of consecutive axes merged
+    (size-1 axes left out of both)."""
+    shape = [d for d in shape if d != 1]
+    k = 0
+    for want in (d for d in target if d != 1):
+        size = 1
+        while size < want and k < len(shape):
+            size *= shape[k]
+            k += 1
+        if size != want:
+            return False
+    return k == len(shape)
+
+
+def _orders(want_shape, got_shape):
+    """The orders of the Keras output's axes whose transpose, with runs of
+    consecutive axes merged and size-1 axes left out, has the ONNX
+    tensor's shape: NCHW for NHWC, `(N, C, 1, W)` for a Conv1D's
+    `(N, W, C)`, time first `(T, N, ...)`, `(batch * tokens, features)`.
+    Past `_MAX_PERMUTED_RANK` axes, the Keras order only."""
+    axes = [i for i, d in enumerate(want_shape) if d != 1]
+    if len(axes) > _MAX_PERMUTED_RANK:
+        return [tuple(range(len(want_shape)))]
+    found = []
+    for order in itertools.permutations(axes):
+        if _merges([want_shape[i] for i in order], got_shape):
+            found.append(order)
+    return found
 
 
 def fits(shape, want):
-    """Whether an ONNX static shape can hold a Keras output shape: the same
-    axes in any order (NCHW after tf2onnx's transpose optimizer, say), with
-    size-1 axes left out, or the batch merged with the leading axes (a
-    MatMul on `(batch * tokens, features)`)."""
+    """Whether an ONNX static shape can hold a Keras output shape, the
+    values rearranged as `_orders` allows: its known sizes multiply to a
+    divisor of the Keras output's (whose batch size is unknown), or, all
+    of them known (the batch merged into a static axis), to a multiple."""
     if shape is None:
         return True
-    if len(shape) == len(want) and all(
-        a is None or a in want[1:] for a in shape[1:]
-    ):
-        return True
-    if [d for d in shape[1:] if d != 1] == [d for d in want[1:] if d != 1]:
-        return True
-    known = [d for d in shape[1:] if d is not None]
-    return (
-        len(known) == len(shape) - 1
-        and math.prod(want[1:]) % max(math.prod(known), 1) == 0
-    )
+    known = math.prod(d for d in shape if d is not None)
+    need = math.prod(d for d in want[1:] if d is not None)
+    if None in shape:
+        return need % max(known, 1) == 0
+    return known % max(need, 1) == 0
 
 
 def _layouts(got, want):
-    """`got` brought to `want`'s shape every way that keeps the values: its
-    non-batch axes permuted (NCHW, a transposed attention matrix), or
-    reshaped when it holds the same number of values."""
+    """`got` brought to `want`'s shape every way that keeps the values:
+    the axes of `want` in some order, runs of them merged, size-1 axes
+    added or dropped (`_orders`), the order derived from the shapes
+    alone. None fits when the sizes differ."""
+    if got.size != want.size:
+        return []
     options = []
-    rest = range(1, got.ndim)
-    if got.ndim == want.ndim:
-        for order in itertools.permutations(rest):
-            if tuple(got.shape[i] for i in order) == want.shape[1:]:
-                options.append(np.transpose(got, (0, *order)))
-    if not options and got.size == want.size:
-        options.append(got.reshape(want.shape))
+    for order in _orders(want.shape, got.shape):
+        shape = [want.shape[i] for i in order]
+        back = np.transpose(got.reshape(shape), np.argsort(order))
+        options.append(back.reshape(want.shape))
     return options
 
 
@@ -81,6 +112,10 @@ class Graph:
                 dims if t.HasField("shape") else None,
             )
         self.initializers = {i.name for i in proto.graph.initializer}
+        # An `fp16=True` export: float16 between its float32 boundaries.
+        self.float16 = any(
+            elem == FLOAT16 for elem, _ in self.types.values()
+        ) or any(i.data_type == FLOAT16 for i in proto.graph.initializer)
         self.groups = {}
         for node in proto.graph.node:
             scopes = set()

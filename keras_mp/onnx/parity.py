@@ -1,8 +1,10 @@
 """Keras vs ONNX Runtime on the same inputs: `verify_onnx`, and the ONNX
 Runtime session helpers the demo's latency figures use too."""
 
+import contextlib
 import dataclasses
 import os
+import re
 
 import numpy as np
 
@@ -131,18 +133,59 @@ def verify_inputs(model, data):
 
 def output_names(out, model):
     """Names for the flattened outputs `out` (a tensor, list or dict) of
-    `model`: the dict keys, sorted as `tf.nest.flatten` orders them, or
-    `model.output_names` (the output layers' names)."""
+    `model`: the dict keys, sorted as `tf.nest.flatten` orders them, or the
+    names of the layers that produce the outputs (`_output_name`), or
+    `output_<k>` when those are unknown or fewer than the outputs."""
     if isinstance(out, dict):
         return sorted(out)
-    names = list(getattr(model, "output_names", None) or [])
-    if not names:  # Sequential: the layers that produce the outputs
-        layers = [_keras.producer(t) for t in getattr(model, "outputs", [])]
-        names = [layer.name for layer in layers if layer is not None]
+    layers = [_keras.producer(t) for t in getattr(model, "outputs", None) or []]
+    names = [_output_name(layer) for layer in layers if layer is not None]
     count = len(out) if isinstance(out, (list, tuple)) else 1
     return (
         names if len(names) == count else [f"output_{k}" for k in range(count)]
     )
+
+
+def _output_name(layer):
+    """The name of an output produced by `layer`: its own name, except for
+    a nested model Keras named itself (a keras-hub backbone or subclassed
+    model created without a name, the float model inside a
+    `RecordedModel`), whose name carries a counter of the models of its
+    class the process built before (`deberta_v3_backbone_1`): with one
+    output, the name of the layer producing that output (recursively), so
+    wrapping or quantizing a model does not rename its output; with
+    several, the class name in snake case (`deberta_v3_backbone`)."""
+    import keras
+
+    while (
+        isinstance(layer, keras.Model)
+        and _generated(layer) is not None
+        and len(getattr(layer, "outputs", None) or []) == 1
+        and _keras.producer(layer.outputs[0]) is not None
+    ):
+        layer = _keras.producer(layer.outputs[0])
+    if isinstance(layer, keras.Model):
+        return _generated(layer) or layer.name
+    return layer.name
+
+
+def _snake_case(class_name):
+    """A class name as Keras turns it into a default layer name
+    (`DebertaV3Backbone` -> `deberta_v3_backbone`)."""
+    name = re.sub(r"\W+", "", class_name)
+    name = re.sub("(.)([A-Z][a-z]+)", r"\1_\2", name)
+    return re.sub("([a-z])([A-Z])", r"\1_\2", name).lower()
+
+
+def _generated(layer):
+    """The class name (in snake case) Keras made `layer.name` from, plus a
+    counter, or None for a name the user gave. Base classes count: a
+    quantized `Dense` named `dense_3` is a `dense`."""
+    for cls in type(layer).__mro__:
+        base = _snake_case(cls.__name__)
+        if re.fullmatch(rf"{re.escape(base)}(_\d+)?", layer.name):
+            return base
+    return None
 
 
 def flat_outputs(out):
@@ -210,6 +253,31 @@ def _keras_outputs(model, inputs, serve=None, batch_size=512):
     return want, serve.output_names
 
 
+@contextlib.contextmanager
+def _ort_errors(model, onnx_path, what):
+    """Within the block, a failure of ONNX Runtime itself (its own
+    exception types, raised from its C++ core) becomes an `ExportError`
+    that says what failed and what to do."""
+    try:
+        yield
+    except Exception as e:
+        if not type(e).__module__.startswith("onnxruntime"):
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ExportError(
+            f"ONNX Runtime could not {what} the ONNX graph of model "
+            f"{model.name!r} ({onnx_path}) for the parity check: "
+            f"{type(e).__name__}: {first}. Its CPU provider rejects an "
+            "operator or a mix of element types in the graph (for example "
+            "float16 meeting bfloat16: a layer "
+            "left computing in 16 bits, which `keras_mp."
+            "mixed_precision_audit(model)` lists). Export the float32 model "
+            "(or `fp16=True` for float16), or export without `verify_data` "
+            "to write the file and inspect the node named above; report it "
+            "with the model if it is a keras_mp export."
+        ) from e
+
+
 def check_parity(
     model, onnx_path, data, min_top1_agreement, max_rel_l2, serve=None
 ):
@@ -219,17 +287,20 @@ def check_parity(
     if not os.path.isfile(onnx_path):
         raise FileNotFoundError(f"ONNX file not found: {onnx_path}")
     want, names = _keras_outputs(model, inputs, serve)
-    session = ort_session(onnx_path, optimized=False)
+    with _ort_errors(model, onnx_path, "load"):
+        session = ort_session(onnx_path, optimized=False)
     if len(session.get_outputs()) != len(want):
         raise ExportError(
             f"{onnx_path} has {len(session.get_outputs())} output(s), but "
             f"model {model.name!r} has {len(want)} ({names}): is this the "
             "file exported from this model?"
         )
-    rows = _compare(want, run_session(session, inputs), names)
-    optimized = _compare(
-        want, run_session(ort_session(onnx_path), inputs), names
-    )
+    with _ort_errors(model, onnx_path, "run"):
+        rows = _compare(want, run_session(session, inputs), names)
+    with _ort_errors(model, onnx_path, "optimize and run"):
+        optimized = _compare(
+            want, run_session(ort_session(onnx_path), inputs), names
+        )
     report = ParityReport(
         len(inputs[0]),
         min(r.top1_agreement for r in rows),

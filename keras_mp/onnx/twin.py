@@ -35,8 +35,15 @@ def half_compute_dtype(model):
     return "float16" if "float16" in found else "bfloat16"
 
 
+# Config keys that hold a policy by name: a layer's `dtype`, the
+# `default_policy` of a `DTypePolicyMap` (keras-hub backbones carry one).
+_POLICY_KEYS = ("dtype", "default_policy")
+
+
 def _float32_config(value):
-    """`value` (a serialized config) with every 16-bit policy -> float32."""
+    """`value` (a serialized config) with every 16-bit policy -> float32:
+    policies given by name, serialized `DTypePolicy` objects, and the
+    default and per-layer policies of a `DTypePolicyMap`."""
     if isinstance(value, list):
         return [_float32_config(v) for v in value]
     if not isinstance(value, dict):
@@ -50,7 +57,7 @@ def _float32_config(value):
         return {**value, "config": {**config, "name": "float32"}}
     return {
         key: "float32"
-        if key == "dtype" and v in _HALF_POLICIES
+        if key in _POLICY_KEYS and v in _HALF_POLICIES
         else _float32_config(v)
         for key, v in value.items()
     }

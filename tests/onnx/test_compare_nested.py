@@ -211,3 +211,50 @@ def test_custom_layers_and_a_shared_layer(custom_export, tmp_path):
     report = keras_mp.compare_onnx(qmodel, bad, x)
     assert report.first_divergence.name == fc
     assert f"first divergence at layer {fc!r}" in str(report)
+
+
+def _zoo_export(name, directory, policy=None):
+    """Zoo model `name` (benchmarks/bench_zoo.py), under `policy` when
+    given, quantized, calibrated on 16 inputs and exported (parity
+    checked): the model, its file and the inputs."""
+    from benchmarks.bench_zoo import ZOO, refresh_batchnorm
+
+    build, make_inputs = ZOO[name]
+    keras.utils.set_random_seed(0)
+    model = build()
+    x = make_inputs(np.random.default_rng(0), 16)
+    refresh_batchnorm(model, x)
+    if policy is not None:
+        model = keras_mp.apply_mixed_precision(model, policy)
+    qmodel = keras_mp.quantize_model(model)
+    keras_mp.calibrate(qmodel, x, verbose=0)
+    path = str(directory / f"{name}.onnx")
+    keras_mp.export_onnx(qmodel, path, verify_data=x)
+    return qmodel, path, x
+
+
+# The zoo's fast subset (`QUICK`): ViT is compared above; the float32
+# graph of a mixed_float16 MobileNetV3Small is the plain one's (the export
+# traces the float32 twin), so the plain one runs with the slow tests.
+@pytest.mark.parametrize(
+    "name, policy",
+    [
+        pytest.param("BertBackbone_tiny", None, id="BertBackbone_tiny"),
+        pytest.param(
+            "MobileNetV3Small", "mixed_float16", id="MobileNetV3Small-mixed"
+        ),
+        pytest.param(
+            "MobileNetV3Small",
+            None,
+            id="MobileNetV3Small",
+            marks=pytest.mark.slow,
+        ),
+    ],
+)
+def test_zoo_fast_subset_exact_export_has_no_divergence(name, policy, tmp_path):
+    qmodel, path, x = _zoo_export(name, tmp_path, policy)
+    report = keras_mp.compare_onnx(qmodel, path, x)
+    assert report.first_divergence is None, str(report)
+    assert report.precision == "float32"
+    qdqs = [r for r in report.rows if r.kind == "QuantizeActivation"]
+    assert len(qdqs) > 10 and all(r.steps <= 1.0 + 1e-3 for r in qdqs)

@@ -282,3 +282,60 @@ def test_cli_exports_a_saved_keras_hub_bert_from_a_named_npz(tmp_path, capsys):
     assert lint.ok and lint.weighted_ops_quantized == lint.weighted_ops > 10
     for path in (tmp_path / "f.onnx", tmp_path / "q.onnx"):
         assert _graph_inputs(path) == dict.fromkeys(data, "int32")
+
+
+def _deberta():
+    keras_hub = pytest.importorskip("keras_hub")
+    return keras_hub.models.DebertaV3Backbone(
+        vocabulary_size=VOCAB,
+        num_layers=1,
+        num_heads=2,
+        hidden_dim=16,
+        intermediate_dim=32,
+        max_sequence_length=16,
+        bucket_size=4,
+    )
+
+
+def _onnx_names(model, path):
+    keras_mp.export_onnx(model, path)
+    graph = onnx.load(path).graph
+    return [i.name for i in graph.input], [o.name for o in graph.output]
+
+
+def test_names_do_not_depend_on_what_the_process_built_before(tmp_path):
+    """The same keras-hub backbone built twice in one process (Keras
+    numbers the models it names itself: `deberta_v3_backbone_1`) exports
+    the same input and output names, bare, wrapped in a functional model
+    or quantized."""
+    rng = np.random.default_rng(0)
+    data = {
+        "token_ids": rng.integers(1, VOCAB, (8, SEQ)).astype("int32"),
+        "padding_mask": np.ones((8, SEQ), "int32"),
+    }
+    named = []
+    for k in range(2):
+        backbone = _deberta()
+        inputs = {
+            name: keras.Input((None,), dtype="int32", name=name)
+            for name in ("token_ids", "padding_mask")
+        }
+        wrapped = keras.Model(inputs, _deberta()(inputs))
+        qmodel = keras_mp.quantize_model(_deberta())
+        keras_mp.calibrate(qmodel, data, verbose=0)
+        named.append(
+            [
+                _onnx_names(m, str(tmp_path / f"{kind}{k}.onnx"))
+                for kind, m in (
+                    ("backbone", backbone),
+                    ("wrapped", wrapped),
+                    ("quantized", qmodel),
+                )
+            ]
+        )
+    assert named[0] == named[1]
+    assert all(names == named[0][0] for names in named[0])
+    assert named[0][0] == (
+        ["padding_mask", "token_ids"],
+        ["disentangled_attention_encoder_layer_0"],
+    )

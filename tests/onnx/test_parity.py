@@ -52,3 +52,36 @@ def test_missing_onnx_file_is_named(exported, tmp_path):
     x = np.zeros((2, 28, 28, 1), np.float32)
     with pytest.raises(FileNotFoundError, match="none.onnx"):
         keras_mp.verify_onnx(model, tmp_path / "none.onnx", x)
+
+
+def test_onnx_runtime_failure_is_an_export_error_with_guidance(tmp_path):
+    """A graph ONNX Runtime rejects (float16 meeting bfloat16 in an Add,
+    which `onnx.checker` accepts) gives keras_mp's own error, saying what
+    to do, with ONNX Runtime's message in it and as its cause."""
+    import keras
+    import onnx
+    from onnx import TensorProto, helper
+
+    inputs = keras.Input((4,), name="x")
+    model = keras.Model(inputs, keras.layers.Dense(4)(inputs))
+    nodes = [
+        helper.make_node("Cast", ["x"], ["h"], to=TensorProto.FLOAT16),
+        helper.make_node("Cast", ["x"], ["b"], to=TensorProto.BFLOAT16),
+        helper.make_node("Add", ["h", "b"], ["s"]),
+        helper.make_node("Cast", ["s"], ["y"], to=TensorProto.FLOAT),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "mixed",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, 4])],
+    )
+    path = str(tmp_path / "mixed.onnx")
+    onnx.save(helper.make_model(graph), path)
+    x = np.zeros((2, 4), np.float32)
+    with pytest.raises(keras_mp.ExportError) as caught:
+        keras_mp.verify_onnx(model, path, x)
+    message = str(caught.value)
+    assert "ONNX Runtime could not load" in message
+    assert "bfloat16" in message and "mixed_precision_audit" in message
+    assert type(caught.value.__cause__).__module__.startswith("onnxruntime")

@@ -131,3 +131,56 @@ def test_saved_model_of_a_bfloat16_model_serves_its_outputs(tmp_path):
     model = _mixed("mixed_bfloat16")
     diff = keras_mp.export_saved_model(model, tmp_path / "sm", verify_data=x)
     assert diff is not None and diff < 1e-5
+
+
+def test_dtype_policy_map_default_policy_is_rewritten():
+    """keras-hub backbones carry a `DTypePolicyMap` as `dtype`: its default
+    policy (a name) and its per-path policies are all made float32."""
+    from keras_mp.onnx.twin import _float32_config
+
+    policies = keras.dtype_policies.DTypePolicyMap(
+        default_policy="mixed_bfloat16"
+    )
+    policies["block/dense"] = "float16"
+    config = {"dtype": keras.saving.serialize_keras_object(policies)}
+    rebuilt = keras.saving.deserialize_keras_object(
+        _float32_config(config)["dtype"]
+    )
+    assert rebuilt.default_policy.name == "float32"
+    assert rebuilt["block/dense"].name == "float32"
+
+
+def test_bfloat16_keras_hub_t5_exports_with_parity(tmp_path):
+    """A T5 under `apply_mixed_precision("mixed_bfloat16")` (a
+    `DTypePolicyMap` whose default is mixed_bfloat16): its twin computes
+    in float32, so the graph mixes no float16 and bfloat16, and both of
+    its dict outputs keep their keys."""
+    keras_hub = pytest.importorskip("keras_hub")
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.T5Backbone(
+        vocabulary_size=64,
+        num_layers=1,
+        num_heads=2,
+        hidden_dim=16,
+        intermediate_dim=32,
+        key_value_dim=8,
+        dropout=0.0,
+    )
+    model = keras_mp.apply_mixed_precision(backbone, "mixed_bfloat16")
+    assert half_compute_dtype(model) == "bfloat16"
+    assert half_compute_dtype(float32_twin(model)) is None
+    rng = np.random.default_rng(0)
+    ids = rng.integers(1, 64, (8, 8)).astype("int32")
+    mask = np.ones((8, 8), "int32")
+    data = {
+        "encoder_token_ids": ids,
+        "encoder_padding_mask": mask,
+        "decoder_token_ids": ids,
+        "decoder_padding_mask": mask,
+    }
+    path = tmp_path / "t5.onnx"
+    report = keras_mp.export_onnx(model, path, verify_data=data)
+    assert report.rel_l2 < 1e-5
+    assert not _element_types(path) & HALF
+    outputs = [o.name for o in onnx.load(path).graph.output]
+    assert outputs == ["decoder_sequence_output", "encoder_sequence_output"]
