@@ -325,21 +325,33 @@ def _rule_partial_quantization(graph):
 
 def _rule_float_weighted_ops(graph):
     """In a graph with Q/DQ, the weighted ops with neither input quantized:
-    legal, but TensorRT runs them in float (one finding for all of them)."""
+    legal, but TensorRT runs them in float (one finding for all of them).
+    Recurrent ops (LSTM, GRU, RNN) and weighted ops inside Loop/Scan/If
+    bodies count among them: TensorRT runs those in float whatever Q/DQ
+    surrounds them (`GraphIndex.float_weighted`)."""
     if not any(node.op_type in QDQ_OPS for node in graph.nodes):
         return
     left = [op for op in graph.weighted if not any(graph.quantized_inputs(op))]
+    left += [op for op, _ in graph.float_weighted]
     if not left:
         return
     names = ", ".join(f"'{graph.name(op)}'" for op in left[:5])
     more = f" and {len(left) - 5} more" if len(left) > 5 else ""
+    total = len(graph.weighted) + len(graph.float_weighted)
+    why = "Quantize the layers they come from, or leave them float on purpose."
+    if graph.float_weighted:
+        why = (
+            "Recurrent ops (LSTM, GRU, RNN) and ops inside Loop/Scan/If "
+            "bodies stay float: TensorRT's ONNX importer builds a recurrent "
+            "op's matmuls from float inputs only. Quantize the other layers, "
+            "or leave them float on purpose."
+        )
     yield Finding(
         "float_weighted_ops",
         graph.name(left[0]),
-        f"{len(left)} of {len(graph.weighted)} weighted ops have no "
-        f"quantized input ({names}{more}): TensorRT runs them in float, "
-        "which costs INT8 speed. Quantize the layers they come from, or "
-        "leave them float on purpose.",
+        f"{len(left)} of {total} weighted ops have no quantized input "
+        f"({names}{more}): TensorRT runs them in float, which costs INT8 "
+        f"speed. {why}",
         "warning",
     )
 

@@ -40,7 +40,26 @@ def _quantized_row(layer):
     }
 
 
+# TensorRT's ONNX importer builds an ONNX LSTM/GRU/RNN op's matmuls from
+# its float inputs, inside a loop it makes itself (onnx-tensorrt
+# `onnxOpImporters.cpp`; docs/operators.md lists FP32/FP16/BF16 only): no
+# Q/DQ reaches them, so recurrent layers stay float (`docs/export.md`).
+RECURRENT_NOTE = (
+    "recurrent: runs in float (TensorRT builds LSTM/GRU/RNN matmuls from "
+    "float inputs only; Q/DQ cannot make them INT8)"
+)
+_RECURRENT = (
+    keras.layers.RNN,
+    keras.layers.Bidirectional,
+    keras.layers.LSTMCell,
+    keras.layers.GRUCell,
+    keras.layers.SimpleRNNCell,
+)
+
+
 def _float_note(layer):
+    if isinstance(layer, _RECURRENT):
+        return RECURRENT_NOTE
     attention = layer_table.float_attention_note(layer)
     if attention:
         return attention
