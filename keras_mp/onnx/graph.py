@@ -117,6 +117,8 @@ def input_channel_axis(op_type, rank, trans_b=False):
     """The input-channel axis of the weight (slot 1) of an `op_type`."""
     if op_type == "Conv":
         return 1
+    if op_type == "ConvTranspose":
+        return 0  # (C_in, C_out / group, kH, kW)
     if op_type == "Gemm":
         return 1 if trans_b else 0
     return rank - 2
