@@ -136,7 +136,7 @@ def _advice(ops):
         )
     gelu = (
         " (for example the tanh approximation, `approximate=True`, for GELU)"
-        if any(op.startswith("Erf") for op in ops)
+        if {"Erf", "Erfc"} & set(ops)  # what exact GELU lowers to
         else ""
     )
     return (

@@ -43,10 +43,12 @@ def _quantized_row(layer):
 # TensorRT's ONNX importer builds an ONNX LSTM/GRU/RNN op's matmuls from
 # its float inputs, inside a loop it makes itself (onnx-tensorrt
 # `onnxOpImporters.cpp`; docs/operators.md lists FP32/FP16/BF16 only): no
-# Q/DQ reaches them, so recurrent layers stay float (`docs/export.md`).
+# Q/DQ reaches them, so recurrent layers stay float, and so does the Loop
+# body tf2onnx writes for cells it does not recognize (`docs/export.md`).
 RECURRENT_NOTE = (
-    "recurrent: runs in float (TensorRT builds LSTM/GRU/RNN matmuls from "
-    "float inputs only; Q/DQ cannot make them INT8)"
+    "recurrent: runs in float (TensorRT builds an ONNX LSTM/GRU/RNN op's "
+    "matmuls from float inputs only; the Loop tf2onnx makes of other cells "
+    "gets no Q/DQ)"
 )
 _RECURRENT = (
     keras.layers.RNN,
