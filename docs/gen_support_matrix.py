@@ -17,6 +17,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras  # noqa: E402
 
 from keras_mp import layer_table  # noqa: E402
+from keras_mp.quantization.report import RECURRENT_NOTE  # noqa: E402
 from keras_mp.sparsity.model import (  # noqa: E402
     ALIGNED_INPUT_CHANNELS,
     ALIGNED_OUTPUT_CHANNELS,
@@ -90,6 +91,17 @@ ATTENTION_RUN = (
     "(TensorRT's fused attention pattern)"
 )
 SEPARABLE_INPUTS = "every input, and the pointwise convolution's input"
+# What tf2onnx 1.17 makes of each recurrent layer (measured by
+# tests/onnx/test_recurrent.py); the TensorRT column is
+# `quantization_report`'s note.
+RECURRENT = {
+    keras.layers.LSTM: "an ONNX `LSTM` op",
+    keras.layers.GRU: "an ONNX `Loop` whose body holds the cell's MatMuls",
+    keras.layers.SimpleRNN: "an ONNX `Loop` whose body holds the cell's "
+    "MatMuls",
+    keras.layers.Bidirectional: "one bidirectional `LSTM` op for an LSTM, "
+    "one `Loop` per direction otherwise",
+}
 
 
 def _inputs(name, spec):
@@ -188,6 +200,23 @@ def render():
         "depth. For example: "
         + ", ".join(cls.__name__ for cls in OTHERS)
         + ".",
+        "",
+        "## Recurrent layers",
+        "",
+        "Stateless recurrent layers export, `return_sequences` either "
+        "way, masked (`Embedding(mask_zero=True)`) or unrolled, in float, "
+        "INT8 (the layers around them quantized), mixed precision and "
+        "`fp16=True`; a stateful one raises an `ExportError` (ONNX has no "
+        "variables to keep its state in). The lint counts their matmuls "
+        "as float weighted ops, by name. See "
+        "[Export: recurrent layers](export.md#recurrent-layers).",
+        "",
+        "| Keras layer | INT8 weights | ONNX graph | TensorRT runs it as |",
+        "|---|---|---|---|",
+    ]
+    lines += [
+        f"| {cls.__name__} | float | {graph} | {RECURRENT_NOTE} |"
+        for cls, graph in RECURRENT.items()
     ]
     return "\n".join(lines) + "\n"
 

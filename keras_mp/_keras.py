@@ -162,6 +162,12 @@ def frozen_graph_def(concrete_function):
     inputs are the function's own arguments; `NO_INLINE_ATTRS` are removed
     from every call node and library function.
 
+    Control flow stays functional (`While`, `If`): lowered, a recurrent
+    layer's loop becomes TensorList ops that tf2onnx cannot convert,
+    while a `While` tf2onnx turns into an ONNX `Loop`, or an `LSTM`/`GRU`/
+    `RNN` op when it recognizes the cell (`docs/export.md`, "Recurrent
+    layers"). A graph without control flow freezes the same either way.
+
     Args:
         concrete_function: a `tf.function`'s concrete function.
 
@@ -173,7 +179,9 @@ def frozen_graph_def(concrete_function):
         convert_variables_to_constants_v2,
     )
 
-    frozen = convert_variables_to_constants_v2(concrete_function)
+    frozen = convert_variables_to_constants_v2(
+        concrete_function, lower_control_flow=False
+    )
     graph_def = frozen.graph.as_graph_def()
     nodes = list(graph_def.node)
     for function in graph_def.library.function:

@@ -20,6 +20,7 @@ from keras_mp import _keras
 from keras_mp._compat import optional_import
 from keras_mp._models import walk_layers
 from keras_mp.onnx.errors import ExportError
+from keras_mp.onnx.graph import walk
 
 
 def _erfc_as_one_minus_erf(ctx, node, name, args):
@@ -97,11 +98,12 @@ def keras_layers_of(op_name, model):
 
 
 def _unconvertible(proto):
-    """Nodes of `proto` that are no ONNX operator (tf2onnx left the TF op)."""
+    """Nodes of `proto`, Loop/Scan/If bodies included, that are no ONNX
+    operator (tf2onnx left the TF op)."""
     onnx = optional_import("onnx")
     return [
         node
-        for node in proto.graph.node
+        for node, _, _ in walk(proto.graph)
         if node.domain in ("", "ai.onnx")
         and not onnx.defs.has(node.op_type, "")
     ]
@@ -117,12 +119,48 @@ def _raise_unconvertible(nodes, model):
     ops = sorted({n.op_type for n in nodes})
     raise ExportError(
         f"tf2onnx cannot convert the TensorFlow op(s) {', '.join(ops)} of "
-        f"model {model.name!r}: {'; '.join(lines)}{more}. Replace the "
-        "layer's computation with ops ONNX has (for example the tanh "
-        "approximation, `approximate=True`, for GELU), or add a handler "
-        "for the op to keras_mp.onnx.convert.OP_HANDLERS. Nothing was "
-        "written."
+        f"model {model.name!r}: {'; '.join(lines)}{more}. {_advice(ops)} "
+        "Nothing was written."
     )
+
+
+def _advice(ops):
+    """What to do about unconvertible `ops`, for their case only."""
+    if any(op.startswith("TensorList") for op in ops):
+        return (
+            "TensorList ops come from a loop lowered to TensorFlow 1 control "
+            "flow (a recurrent layer's time loop): tf2onnx converts a "
+            "functional While loop, which keras_mp's freeze keeps, but not "
+            "this one. Build the layer with `unroll=True` for a short, fixed "
+            "sequence length, or write the loop with `keras.ops`."
+        )
+    gelu = (
+        " (for example the tanh approximation, `approximate=True`, for GELU)"
+        if {"Erf", "Erfc"} & set(ops)  # what exact GELU lowers to
+        else ""
+    )
+    return (
+        f"Replace the layer's computation with ops ONNX has{gelu}, or add a "
+        "handler for the op to keras_mp.onnx.convert.OP_HANDLERS."
+    )
+
+
+def _check_stateless(model):
+    """Raises for a stateful recurrent layer: ONNX has no variables, so
+    the state it carries from one call to the next cannot be exported."""
+    keras = optional_import("keras")
+    for layer in walk_layers(model):
+        if isinstance(layer, keras.layers.RNN) and layer.stateful:
+            raise ExportError(
+                f"Layer {layer.name!r} of model {model.name!r} is stateful "
+                "(stateful=True): it keeps its state in variables between "
+                "calls, and an ONNX graph has none, so neither that state "
+                "nor the model's fixed batch size can be exported. Export a "
+                "copy built with stateful=False and the same weights "
+                "(`keras.Model.from_config` of a config with "
+                "stateful=False, then `set_weights`): each ONNX run then "
+                "starts from a zero state. Nothing was written."
+            )
 
 
 def _warn_failed_optimizers(records, model):
@@ -181,6 +219,7 @@ def function_to_onnx(serve, model, opset, inputs_as_nchw=None):
         ExportError: tf2onnx failed, or left an op ONNX does not have.
     """
     tf2onnx = optional_import("tf2onnx")
+    _check_stateless(model)
     concrete = serve.get_concrete_function()
     graph_def, inputs, outputs = _keras.frozen_graph_def(concrete)
     specs = [s.name for s in concrete.structured_input_signature[0]]

@@ -11,6 +11,7 @@ from keras_mp.onnx.graph import (
     apply_layout,
     attr,
     output_channel_axis,
+    reads,
 )
 
 
@@ -314,16 +315,18 @@ def _dequantize(codes, scale, axis):
 
 
 def _prune_dead(graph):
-    """Removes nodes and initializers nothing consumes any more."""
+    """Removes nodes and initializers nothing consumes any more. A tensor
+    a Loop/Scan/If body reads from the outer graph counts as used (GRU's
+    kernel Transpose, read only inside tf2onnx's Loop)."""
     outputs = {o.name for o in graph.output}
     while True:
-        used = {name for node in graph.node for name in node.input} | outputs
+        used = {name for node in graph.node for name in reads(node)} | outputs
         dead = [n for n in graph.node if not any(o in used for o in n.output)]
         if not dead:
             break
         for node in dead:
             graph.node.remove(node)
-    used = {name for node in graph.node for name in node.input}
+    used = {name for node in graph.node for name in reads(node)}
     for init in list(graph.initializer):
         if init.name not in used:
             graph.initializer.remove(init)

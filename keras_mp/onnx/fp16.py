@@ -10,6 +10,7 @@ import warnings
 import numpy as np
 
 from keras_mp._compat import optional_import
+from keras_mp.onnx.graph import subgraphs, walk
 from keras_mp.onnx.subnormal import raise_subnormal_scales, raised_message
 
 # Float inputs that ONNX requires to stay float32 whatever the data type:
@@ -67,7 +68,7 @@ def to_float16(model_proto, model=None):
         warnings.warn(raised_message(raised, model), UserWarning, stacklevel=3)
     graph = model_copy.graph
     keep32 = set()
-    for node in graph.node:
+    for node, _, _ in walk(graph):
         for op_type, slot in _KEEP_FLOAT32_INPUTS:
             if node.op_type == op_type and len(node.input) > slot:
                 keep32.add(node.input[slot])
@@ -82,14 +83,21 @@ def to_float16(model_proto, model=None):
             )
         return array.astype(np.float16)
 
-    for init in graph.initializer:
+    bodies = [sub for node, _, _ in walk(graph) for sub in subgraphs(node)]
+    for init in [i for g in (graph, *bodies) for i in g.initializer]:
         if init.data_type == FLOAT and init.name not in keep32:
             init.CopyFrom(
                 numpy_helper.from_array(
                     half(numpy_helper.to_array(init), init.name), init.name
                 )
             )
-    for node in graph.node:
+    # A Loop/Scan/If body declares the types of its inputs and outputs (a
+    # loop-carried state): float32 ones become float16 with the rest.
+    for body in bodies:
+        for value in [*body.input, *body.output, *body.value_info]:
+            if value.type.tensor_type.elem_type == FLOAT:
+                value.type.tensor_type.elem_type = FLOAT16
+    for node, _, _ in walk(graph):
         if node.op_type == "Constant":
             for attribute in node.attribute:
                 if (

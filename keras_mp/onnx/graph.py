@@ -26,6 +26,56 @@ BIAS_SLOT = 2
 LAYOUT_OPS = frozenset(
     {"Transpose", "Reshape", "Identity", "Squeeze", "Unsqueeze", "Flatten"}
 )
+# Ops whose matmuls run inside the op: TensorRT's ONNX importer builds
+# them from float inputs only, so they stay float (`docs/export.md`,
+# "Recurrent layers").
+RECURRENT_OPS = frozenset({"LSTM", "GRU", "RNN"})
+
+
+def subgraphs(node):
+    """The subgraphs (bodies, branches) held by `node`'s attributes: a
+    Loop's or Scan's body, an If's two branches."""
+    for attribute in node.attribute:
+        if attribute.HasField("g"):
+            yield attribute.g
+        yield from attribute.graphs
+
+
+def outer_names(body):
+    """The tensor names `body` (and the subgraphs inside it) reads from
+    the scopes around it: ONNX lets a body use any outer tensor by name,
+    without listing it as an input of the node that holds the body."""
+    own = {v.name for v in body.input} | {i.name for i in body.initializer}
+    read = set()
+    for node in body.node:
+        own.update(node.output)
+        read.update(name for name in node.input if name)
+        for sub in subgraphs(node):
+            read |= outer_names(sub)
+    return read - own
+
+
+def reads(node):
+    """Every tensor `node` reads: its inputs, and for a node holding
+    subgraphs, the outer names they read (`outer_names`)."""
+    names = {name for name in node.input if name}
+    for sub in subgraphs(node):
+        names |= outer_names(sub)
+    return names
+
+
+def walk(graph, path=()):
+    """Every node of `graph` and of the subgraphs inside it, depth first.
+
+    Yields:
+        `(node, owner, path)`: the node, the `GraphProto` that holds it
+        and the nodes holding that graph, outermost first (empty for a
+        top-level node).
+    """
+    for node in graph.node:
+        yield node, graph, path
+        for sub in subgraphs(node):
+            yield from walk(sub, (*path, node))
 
 
 def attr(node, name, default):
@@ -67,6 +117,8 @@ def input_channel_axis(op_type, rank, trans_b=False):
     """The input-channel axis of the weight (slot 1) of an `op_type`."""
     if op_type == "Conv":
         return 1
+    if op_type == "ConvTranspose":
+        return 0  # (C_in, C_out / group, kH, kW)
     if op_type == "Gemm":
         return 1 if trans_b else 0
     return rank - 2
@@ -128,6 +180,22 @@ class GraphIndex:
                 self.constants[node.output[0]] = value[0]
                 self.dtypes[node.output[0]] = value[1]
         self.qdq = [n for n in self.nodes if n.op_type in QDQ_OPS]
+        # Ops whose weights TensorRT runs in float whatever the graph says:
+        # recurrent ops, and weighted ops inside Loop/Scan/If bodies (the
+        # Q/DQ rules below look at the top-level graph only).
+        self.float_weighted = [
+            (node, path)
+            for node, _, path in walk(graph)
+            if node.op_type in RECURRENT_OPS
+            or (path and node.op_type in WEIGHT_SLOTS)
+        ]
+        for node, path in self.float_weighted:
+            if path:
+                self._names[id(node)] = "/".join(
+                    p.name or p.op_type for p in (*path, node)
+                )
+            else:
+                self._names.setdefault(id(node), node.name or node.op_type)
         self.weighted = [n for n in self.nodes if n.op_type in WEIGHT_SLOTS]
         self.weights, self.weight_use = [], {}
         for op in self.weighted:
@@ -143,7 +211,7 @@ class GraphIndex:
 
     def name(self, node):
         """The node's name, or `<op_type>_<index>` for an unnamed node."""
-        return self._names[id(node)]
+        return self._names.get(id(node)) or node.name or node.op_type
 
     def const(self, tensor):
         """The value of a constant tensor (through Identity), else None."""

@@ -25,6 +25,7 @@ from keras_mp.onnx.graph import (
 )
 from keras_mp.quantization.placement import (
     COMMUTING_OPS,
+    DATA_MOVEMENT_OPS,
     FUSED_OPS,
     SCALE_COMMUTING_OPS,
 )
@@ -36,7 +37,7 @@ QOPERATOR_OPS = frozenset(
     QLinearLeakyRelu QLinearSigmoid QLinearSoftmax QLinearReduceMean
     QLinearConvTranspose QLinearWhere""".split()
 )
-SPARSE_OPS = ("Conv", "MatMul", "Gemm")
+SPARSE_OPS = ("Conv", "ConvTranspose", "MatMul", "Gemm")
 # Ops that commute with quantization, through which TensorRT's Q/DQ
 # propagation moves a Q backwards and a DQ forwards: layout ops (values
 # only moved) and max pooling (max of codes is the code of the max). The
@@ -113,6 +114,22 @@ class LintGraph(GraphIndex):
                 elif id(node) not in seen:
                     seen.add(id(node))
                     pending.append(node.output[0])
+        return found
+
+    def reached_moving(self, tensor):
+        """The nodes reading `tensor`, directly or across the ops that only
+        move values (`placement.DATA_MOVEMENT_OPS`, walked, not listed) or
+        that TensorRT moves a DQ across (`commutes`)."""
+        found, pending, seen = [], [tensor], set()
+        while pending:
+            for node, _ in self.consumers.get(pending.pop(), []):
+                if not (
+                    node.op_type in DATA_MOVEMENT_OPS or self.commutes(node)
+                ):
+                    found.append(node)
+                elif id(node) not in seen:
+                    seen.add(id(node))
+                    pending.extend(node.output)
         return found
 
     def feeds_weighted_op(self, tensor):
@@ -325,21 +342,33 @@ def _rule_partial_quantization(graph):
 
 def _rule_float_weighted_ops(graph):
     """In a graph with Q/DQ, the weighted ops with neither input quantized:
-    legal, but TensorRT runs them in float (one finding for all of them)."""
+    legal, but TensorRT runs them in float (one finding for all of them).
+    Recurrent ops (LSTM, GRU, RNN) and weighted ops inside Loop/Scan/If
+    bodies count among them: TensorRT runs those in float whatever Q/DQ
+    surrounds them (`GraphIndex.float_weighted`)."""
     if not any(node.op_type in QDQ_OPS for node in graph.nodes):
         return
     left = [op for op in graph.weighted if not any(graph.quantized_inputs(op))]
+    left += [op for op, _ in graph.float_weighted]
     if not left:
         return
     names = ", ".join(f"'{graph.name(op)}'" for op in left[:5])
     more = f" and {len(left) - 5} more" if len(left) > 5 else ""
+    total = len(graph.weighted) + len(graph.float_weighted)
+    why = "Quantize the layers they come from, or leave them float on purpose."
+    if graph.float_weighted:
+        why = (
+            "Recurrent ops (LSTM, GRU, RNN) and ops inside Loop/Scan/If "
+            "bodies stay float: TensorRT's ONNX importer builds a recurrent "
+            "op's matmuls from float inputs only. Quantize the other layers, "
+            "or leave them float on purpose."
+        )
     yield Finding(
         "float_weighted_ops",
         graph.name(left[0]),
-        f"{len(left)} of {len(graph.weighted)} weighted ops have no "
-        f"quantized input ({names}{more}): TensorRT runs them in float, "
-        "which costs INT8 speed. Quantize the layers they come from, or "
-        "leave them float on purpose.",
+        f"{len(left)} of {total} weighted ops have no quantized input "
+        f"({names}{more}): TensorRT runs them in float, which costs INT8 "
+        f"speed. {why}",
         "warning",
     )
 
@@ -377,6 +406,11 @@ def _qdq_is_used(graph, dq):
     layout ops, a Concat of inputs with one scale)."""
     if graph.feeds_weighted_op(dq.output[0]):
         return True
+    if any(  # DQ -> Concat/Slice/Pad/... -> Q or weighted op: INT8 through
+        n.op_type == "QuantizeLinear" or n.op_type in WEIGHT_SLOTS
+        for n in graph.reached_moving(dq.output[0])
+    ):
+        return True
     consumers = graph.consumers_through(dq.output[0])
     for pool in consumers:
         if pool.op_type in FUSED_OPS and any(
@@ -408,13 +442,17 @@ def _from_quantized_weighted_op(graph, tensor):
     """The quantized weighted op behind `tensor`, through a BatchNormalization
     or the Mul/Add-by-constant pair tf2onnx decomposes an inference-mode
     Keras BatchNormalization into (TensorRT folds both into the conv), and
-    through layout ops (the NHWC/NCHW Transposes tf2onnx leaves when its
-    transpose optimizer is skipped, a MatMul's output Reshape)."""
+    through ops that only move values (the NHWC/NCHW Transposes tf2onnx
+    leaves when its transpose optimizer is skipped, a MatMul's output
+    Reshape, a Slice, Pad or Resize: `placement.DATA_MOVEMENT_OPS` but
+    Concat, which has several data inputs)."""
     node = graph.producers.get(tensor)
     for _ in range(8):
         if node is None:
             break
-        if node.op_type == "BatchNormalization" or node.op_type in LAYOUT_OPS:
+        if node.op_type == "BatchNormalization" or (
+            node.op_type in DATA_MOVEMENT_OPS and node.op_type != "Concat"
+        ):  # the data input; a Concat has more than one
             node = graph.producers.get(node.input[0])
         elif node.op_type in ("Mul", "Add"):
             data = _data_input(graph, node)
@@ -450,11 +488,11 @@ def _feeds_quantize(graph, tensor):
                 return True
             if id(node) in seen:
                 continue
-            if node.op_type in PASS_THROUGH_OPS | EPILOGUE_OPS or (
-                node.op_type in AFFINE_OPS and _data_input(graph, node)
-            ):
+            if node.op_type in (
+                PASS_THROUGH_OPS | EPILOGUE_OPS | DATA_MOVEMENT_OPS
+            ) or (node.op_type in AFFINE_OPS and _data_input(graph, node)):
                 seen.add(id(node))
-                pending.append(node.output[0])
+                pending.extend(node.output)
     return False
 
 

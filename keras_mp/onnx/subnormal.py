@@ -8,7 +8,7 @@ import dataclasses
 import numpy as np
 
 from keras_mp.onnx.fold import _dequantize, _quantize
-from keras_mp.onnx.graph import GraphIndex, attr
+from keras_mp.onnx.graph import QDQ_OPS, GraphIndex, attr, reads, walk
 from keras_mp.quantization.formats import number_format
 
 # Smallest float16 normal number (2**-14). A smaller scale is subnormal in
@@ -62,11 +62,11 @@ def raise_subnormal_scales(model_proto):
     graph = model_proto.graph
     index = GraphIndex(model_proto)
     readers = {}
-    for node in index.qdq:
-        if len(node.input) > 1:
+    for node, _, _ in walk(graph):  # Q/DQ in Loop/Scan/If bodies too
+        if node.op_type in QDQ_OPS and len(node.input) > 1:
             readers.setdefault(node.input[1], []).append(node)
     taken = {init.name for init in graph.initializer} | {
-        name for node in graph.node for name in node.output
+        name for node, _, _ in walk(graph) for name in node.output
     }
 
     def add(base, array):
@@ -132,7 +132,7 @@ def _empty_channels(codes, scale, axis):
 def _drop_unused(graph, names):
     """Removes the initializers (or Constant nodes) among `names` that no
     node reads any more."""
-    used = {name for node in graph.node for name in node.input}
+    used = {name for node in graph.node for name in reads(node)}
     used |= {o.name for o in graph.output}
     for init in list(graph.initializer):
         if init.name in names and init.name not in used:

@@ -27,7 +27,9 @@ class LintReport:
         violations: List of `Finding`s that stop a TensorRT INT8 build.
         warnings: List of `Finding`s that cost speed or accuracy.
         num_qdq: Number of QuantizeLinear and DequantizeLinear nodes.
-        weighted_ops: Number of Conv, ConvTranspose, MatMul and Gemm nodes.
+        weighted_ops: Number of Conv, ConvTranspose, MatMul and Gemm nodes,
+            plus recurrent ops (LSTM, GRU, RNN) and weighted ops inside
+            Loop/Scan/If bodies, which TensorRT runs in float.
         weighted_ops_quantized: How many of those have both inputs quantized.
         sparse_weights: Names of the weights that are 2:4 sparse.
     """
@@ -215,7 +217,7 @@ def check_tensorrt(model, check_sparsity="auto", strict=False):
         violations=[f for f in findings if f.severity == "error"],
         warnings=[f for f in findings if f.severity != "error"],
         num_qdq=len(graph.qdq),
-        weighted_ops=len(graph.weighted),
+        weighted_ops=len(graph.weighted) + len(graph.float_weighted),
         weighted_ops_quantized=sum(
             all(graph.quantized_inputs(op)) for op in graph.weighted
         ),

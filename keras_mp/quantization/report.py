@@ -40,7 +40,28 @@ def _quantized_row(layer):
     }
 
 
+# TensorRT's ONNX importer builds an ONNX LSTM/GRU/RNN op's matmuls from
+# its float inputs, inside a loop it makes itself (onnx-tensorrt
+# `onnxOpImporters.cpp`; docs/operators.md lists FP32/FP16/BF16 only): no
+# Q/DQ reaches them, so recurrent layers stay float, and so does the Loop
+# body tf2onnx writes for cells it does not recognize (`docs/export.md`).
+RECURRENT_NOTE = (
+    "recurrent: runs in float (TensorRT builds an ONNX LSTM/GRU/RNN op's "
+    "matmuls from float inputs only; the Loop tf2onnx makes of other cells "
+    "gets no Q/DQ)"
+)
+_RECURRENT = (
+    keras.layers.RNN,
+    keras.layers.Bidirectional,
+    keras.layers.LSTMCell,
+    keras.layers.GRUCell,
+    keras.layers.SimpleRNNCell,
+)
+
+
 def _float_note(layer):
+    if isinstance(layer, _RECURRENT):
+        return RECURRENT_NOTE
     attention = layer_table.float_attention_note(layer)
     if attention:
         return attention

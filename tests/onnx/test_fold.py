@@ -193,3 +193,83 @@ def test_fold_evaluates_a_weight_shape_computed_at_run_time():
         np.testing.assert_array_equal(
             after.run(None, x)[0], before.run(None, x)[0]
         )
+
+
+def _loop_graph():
+    """x -> Q/DQ -> MatMul(W) -> a Loop of 3 steps `v = v @ transpose(R)`
+    whose body reads the Transpose of R from the outer graph (tf2onnx's
+    GRU)."""
+    h = onnx.helper
+    rng = np.random.default_rng(0)
+    f = onnx.TensorProto.FLOAT
+
+    def const(name, value):
+        return onnx.numpy_helper.from_array(np.asarray(value), name)
+
+    body = h.make_graph(
+        [
+            h.make_node("Identity", ["cond_in"], ["cond_out"]),
+            h.make_node("MatMul", ["v_in", "r_t"], ["v_out"], "body_matmul"),
+        ],
+        "body",
+        [
+            h.make_tensor_value_info("i", onnx.TensorProto.INT64, []),
+            h.make_tensor_value_info("cond_in", onnx.TensorProto.BOOL, []),
+            h.make_tensor_value_info("v_in", f, [1, 4]),
+        ],
+        [
+            h.make_tensor_value_info("cond_out", onnx.TensorProto.BOOL, []),
+            h.make_tensor_value_info("v_out", f, [1, 4]),
+        ],
+    )
+    nodes = [
+        h.make_node("QuantizeLinear", ["x", "s", "zp"], ["xq"]),
+        h.make_node("DequantizeLinear", ["xq", "s", "zp"], ["xdq"]),
+        h.make_node("QuantizeLinear", ["w", "s", "zp"], ["wq"]),
+        h.make_node("DequantizeLinear", ["wq", "s", "zp"], ["wdq"]),
+        h.make_node("MatMul", ["xdq", "wdq"], ["v0"], "dense"),
+        h.make_node("Transpose", ["r"], ["r_t"], "r_transpose", perm=[1, 0]),
+        h.make_node("Loop", ["steps", "true", "v0"], ["y"], "loop", body=body),
+    ]
+    graph = h.make_graph(
+        nodes,
+        "loop",
+        [h.make_tensor_value_info("x", f, [1, 4])],
+        [h.make_tensor_value_info("y", f, [1, 4])],
+        [
+            const("w", rng.standard_normal((4, 4)).astype(np.float32)),
+            const("r", rng.standard_normal((4, 4)).astype(np.float32) / 4),
+            const("s", np.float32(0.02)),
+            const("zp", np.int8(0)),
+            const("steps", np.int64(3)),
+            const("true", np.bool_(True)),
+        ],
+    )
+    return h.make_model(graph, opset_imports=[h.make_opsetid("", 17)])
+
+
+def test_fold_keeps_what_a_loop_body_reads_from_outside():
+    # Before: the pruning counted the inputs of top-level nodes only and
+    # removed the Transpose of R, read only inside the Loop body (GRU):
+    # "Nodes in a graph must be topologically sorted".
+    ort = pytest.importorskip("onnxruntime")
+    from keras_mp.onnx.fold import fold_weight_qdq
+
+    model = _loop_graph()
+    x = {"x": np.random.default_rng(1).standard_normal((1, 4), np.float32)}
+    expected = ort.InferenceSession(model.SerializeToString()).run(None, x)
+    folded = fold_weight_qdq(model)
+    onnx.checker.check_model(folded, full_check=True)
+    assert "r_transpose" in [n.name for n in folded.graph.node]
+    assert "r" in [i.name for i in folded.graph.initializer]
+    session = ort.InferenceSession(folded.SerializeToString())
+    np.testing.assert_allclose(session.run(None, x)[0], expected[0], 1e-6)
+
+
+def test_lint_counts_a_weighted_op_inside_a_loop_body_as_float():
+    from keras_mp.onnx.fold import fold_weight_qdq
+
+    report = keras_mp.check_tensorrt(fold_weight_qdq(_loop_graph()))
+    assert (report.weighted_ops, report.weighted_ops_quantized) == (2, 1)
+    (finding,) = [w for w in report.warnings if w.rule == "float_weighted_ops"]
+    assert "'loop/body_matmul'" in finding.message

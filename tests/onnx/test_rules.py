@@ -356,3 +356,68 @@ def test_concat_inputs_commute_only_with_one_scale():
     assert _output_qdq(late) == []
     late = _pooled("GlobalAveragePool", False, 2, same_scale=True, dq_late=True)
     assert _output_qdq(late) == ["q_c0", "q_c1"]
+
+
+def _up_concat(sparse=False):
+    """A U-Net decoder step: x -> Q/DQ -> ConvTranspose -> Q/DQ (scale s2)
+    -> Concat with x's DQ (scale s) -> Q/DQ -> Conv -> output. The
+    ConvTranspose weight (C_in 8, C_out 8, 2, 2) is 2:4 sparse along its
+    input channels (axis 0) when `sparse`."""
+    shape = (1, 8, 4, 4)
+    inits = {"s": np.float32(0.05), "s2": np.float32(0.03), "zp": np.int8(0)}
+    nodes, x_dq = _qdq("x", "x")
+    up_dq, up_w, up_inits = _weight("up", (8, 8, 2, 2), 1)
+    if sparse:
+        codes = up_inits["up_q"]
+        codes[1::4] = codes[2::4] = 0  # two zeros in each group of 4
+    conv_dq, conv_w, conv_inits = _weight("cv", (8, 16, 3, 3), 0)
+    inits.update(up_inits, **conv_inits)
+    up_qdq, up_out = _qdq("up", "up_out")
+    for node in up_qdq:
+        node.input[1] = "s2"
+    cat_qdq, cat_out = _qdq("cat", "cat")
+    nodes += [
+        up_dq,
+        helper.make_node(
+            "ConvTranspose", [x_dq, up_w], ["up"], "up", strides=[2, 2]
+        ),
+        *up_qdq,
+        helper.make_node("Resize", [x_dq, "", "scales"], ["x_up"], "resize"),
+        helper.make_node("Concat", [up_out, "x_up"], ["cat"], "cat", axis=1),
+        *cat_qdq,
+        conv_dq,
+        helper.make_node(
+            "Conv", [cat_out, conv_w], ["y"], "conv", pads=[1] * 4
+        ),
+    ]
+    inits["scales"] = np.array([1, 1, 2, 2], np.float32)
+    graph = helper.make_graph(
+        nodes,
+        "up_concat",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(np.asarray(v), k) for k, v in inits.items()],
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 17)]
+    )
+    ort.InferenceSession(model.SerializeToString()).run(
+        None, {"x": RNG.random(shape, dtype=np.float32)}
+    )
+    return model
+
+
+def test_output_qdq_follows_a_concat_to_the_next_quantized_conv():
+    # Before: a false `output_qdq` on the ConvTranspose's Q, whose DQ
+    # reaches the Conv's input Q through a Concat of two scales.
+    assert _output_qdq(_up_concat()) == []
+
+
+def test_conv_transpose_2_4_weights_are_counted():
+    # Before: the lint looked at Conv, MatMul and Gemm weights only (a
+    # U-Net with 6 sparse weights listed 5).
+    report = check_tensorrt(_up_concat(sparse=True), check_sparsity=True)
+    assert "up_q" in report.sparse_weights
+    report = check_tensorrt(_up_concat(sparse=False), check_sparsity=True)
+    assert "up_q" not in report.sparse_weights
+    assert "up" in {f.node for f in report.violations}  # breaks 2:4
