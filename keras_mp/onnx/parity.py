@@ -138,12 +138,32 @@ def output_names(out, model):
     `output_<k>` when those are unknown or fewer than the outputs."""
     if isinstance(out, dict):
         return sorted(out)
+    from keras_mp import _record
+
+    if isinstance(model, _record.RecordedModel):
+        # The float model's output layers name the outputs (`cls`, `reg`;
+        # a Sequential model's last layer), as in its own export.
+        names = _producer_names(model.model)
+        count = len(out) if isinstance(out, (list, tuple)) else 1
+        if len(names) == count:
+            return names
     layers = [_keras.producer(t) for t in getattr(model, "outputs", None) or []]
     names = [_output_name(layer) for layer in layers if layer is not None]
     count = len(out) if isinstance(out, (list, tuple)) else 1
     return (
         names if len(names) == count else [f"output_{k}" for k in range(count)]
     )
+
+
+def _producer_names(model):
+    """`_output_name` of the layers producing `model`'s outputs ([] when
+    they are unknown: a subclassed model)."""
+    try:
+        outputs = getattr(model, "outputs", None) or []
+    except (AttributeError, ValueError):
+        return []
+    layers = [_keras.producer(t) for t in outputs]
+    return [_output_name(layer) for layer in layers if layer is not None]
 
 
 def _output_name(layer):
