@@ -343,3 +343,36 @@ def symbolic_inputs(model):
     return keras.tree.map_shape_structure(
         lambda s: keras.Input(batch_shape=(None, *tuple(s)[1:])), shape
     )
+
+
+def _graph_layers(model):
+    """The layers of graph model `model` and of the models inside it, in
+    a fixed order (two clones list matching layers at the same place)."""
+    models = [model] + [
+        layer
+        for layer in walk_layers(model, include_models=True)
+        if isinstance(layer, keras.Model)
+    ]
+    return [layer for m in models for layer in m.layers]
+
+
+def unwrapped_copy(model, wrappers):
+    """A copy of graph model `model` with every layer of a class in tuple
+    `wrappers` (a legacy wrapper with a `.layer`) replaced by the layer it
+    wraps, same weights, and `{id(copy layer): wrapper}`."""
+    sources = {}
+
+    def clone(layer):
+        inner = layer.layer if isinstance(layer, wrappers) else layer
+        fresh = inner.__class__.from_config(inner.get_config())
+        if isinstance(layer, wrappers):
+            sources[id(fresh)] = layer
+        return fresh
+
+    new = keras.models.clone_model(model, clone_function=clone, recursive=True)
+    for old, fresh in zip(_graph_layers(model), _graph_layers(new)):
+        if isinstance(old, keras.Model):
+            continue
+        inner = old.layer if isinstance(old, wrappers) else old
+        fresh.set_weights(inner.get_weights())
+    return new, sources

@@ -54,15 +54,6 @@ def _body(model):
     return rest[0] if len(rest) == 1 else None
 
 
-def _graph_layers(model):
-    models = [model] + [
-        layer
-        for layer, _ in _models.walk(model)
-        if isinstance(layer, keras.Model)
-    ]
-    return [layer for m in models for layer in m.layers]
-
-
 def _unwrapped(body):
     """A float copy of `body` (a `FixedPointWrapper` around a whole model,
     or a graph of wrappers) with the same weights, and `{id(float layer):
@@ -70,22 +61,7 @@ def _unwrapped(body):
     if isinstance(body, FixedPointWrapper):
         fresh = _models.copy_model(body.layer, "upgrade_fixed_point")
         return fresh, {id(fresh): body}
-    sources = {}
-
-    def clone(layer):
-        inner = layer.layer if isinstance(layer, FixedPointWrapper) else layer
-        fresh = inner.__class__.from_config(inner.get_config())
-        if isinstance(layer, FixedPointWrapper):
-            sources[id(fresh)] = layer
-        return fresh
-
-    new = keras.models.clone_model(body, clone_function=clone, recursive=True)
-    for old, fresh in zip(_graph_layers(body), _graph_layers(new)):
-        if isinstance(old, keras.Model):
-            continue
-        inner = old.layer if isinstance(old, FixedPointWrapper) else old
-        fresh.set_weights(inner.get_weights())
-    return new, sources
+    return _models.unwrapped_copy(body, (FixedPointWrapper,))
 
 
 def _owners(layer):

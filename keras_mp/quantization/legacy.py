@@ -300,36 +300,6 @@ def check_current(model, caller, layers=None):
         )
 
 
-def _graph_layers(model):
-    models = [model] + [
-        layer
-        for layer in _models.walk_layers(model, include_models=True)
-        if isinstance(layer, keras.Model)
-    ]
-    return [layer for m in models for layer in m.layers]
-
-
-def _unwrapped_copy(model):
-    """A copy of graph model `model` with every legacy wrapper replaced by
-    the layer it wraps (same weights), and `{id(copy layer): wrapper}`."""
-    sources = {}
-
-    def clone(layer):
-        inner = layer.layer if isinstance(layer, LEGACY_CLASSES) else layer
-        fresh = inner.__class__.from_config(inner.get_config())
-        if isinstance(layer, LEGACY_CLASSES):
-            sources[id(fresh)] = layer
-        return fresh
-
-    new = keras.models.clone_model(model, clone_function=clone, recursive=True)
-    for old, fresh in zip(_graph_layers(model), _graph_layers(new)):
-        if isinstance(old, keras.Model):
-            continue
-        inner = old.layer if isinstance(old, LEGACY_CLASSES) else old
-        fresh.set_weights(inner.get_weights())
-    return new, sources
-
-
 def upgrade(model):
     """The current form of a model loaded from a file of an earlier keras_mp.
 
@@ -387,7 +357,7 @@ def upgrade(model):
             "then quantize more layers of it, or of the float model "
             "`keras_mp.strip_quantization(upgraded)` gives back."
         )
-    floats, sources = _unwrapped_copy(model)
+    floats, sources = _models.unwrapped_copy(model, LEGACY_CLASSES)
     walked = _models.walk(floats)
     entries = []
     for index, (layer, _) in enumerate(walked):
