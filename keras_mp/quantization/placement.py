@@ -143,10 +143,13 @@ def _input_count(layer):
 
 
 def input_placement(layer, row, config):
-    """The input indices of a leaf layer that get a Q/DQ."""
+    """The input indices of a leaf layer that get a Q/DQ (none for a
+    matmul of two activations kept float by `QuantizeConfig(dot=False)`)."""
     placement = row.inputs
     if config.quantize_inputs is not None:
         placement = ALL_INPUTS if config.quantize_inputs else NO_INPUTS
+    if row.matmul and not config.dot:
+        return []
     if placement == ALL_INPUTS:
         return list(range(_input_count(layer)))
     if placement == SKIP_INPUTS:
