@@ -91,6 +91,11 @@ ATTENTION_RUN = (
     "(TensorRT's fused attention pattern)"
 )
 SEPARABLE_INPUTS = "every input, and the pointwise convolution's input"
+DOT_INPUTS = (
+    "both inputs, after the l2-normalization of `normalize=True` "
+    "(`QuantizeConfig(dot=False)` leaves the matmul float)"
+)
+DOT_RUN = "INT8 MatMul of two activations (both inputs from a DQ)"
 # What tf2onnx 1.17 makes of each recurrent layer (measured by
 # tests/onnx/test_recurrent.py); the TensorRT column is
 # `quantization_report`'s note.
@@ -109,6 +114,8 @@ def _inputs(name, spec):
         return "-"
     if spec.attention:
         return ATTENTION_INPUTS
+    if spec.matmul:
+        return DOT_INPUTS
     if name.startswith("SeparableConv"):
         return SEPARABLE_INPUTS
     return INPUTS[spec.inputs]
@@ -124,9 +131,13 @@ def _row(cls):
         weights_note = f" for `{EINSUM_EQUATION}`; in general: {rule}"
     weights = ATTENTION_WEIGHTS if spec.attention else _weights(spec)
     run = "INT8 Conv / MatMul" if spec.weighted else "-"
+    if spec.attention:
+        run = ATTENTION_RUN
+    elif spec.matmul:
+        run = DOT_RUN
     return (
         f"| {name} | {weights}{weights_note} | {_inputs(name, spec)} | "
-        f"{ATTENTION_RUN if spec.attention else run} | "
+        f"{run} | "
         f"{_sparsity(spec)} | {PERMUTE[spec.permute]} | "
         f"{'float32' if spec.float32 else 'policy'} |"
     )

@@ -70,6 +70,8 @@ class LayerRow:
         attention: bool. Multi-head attention: its query, key and value
             projections take inputs quantized once per distinct tensor, and
             both attention matmuls get Q/DQ on their inputs.
+        matmul: bool. A matmul of two activations (`Dot`): both inputs get
+            a Q/DQ, unless `QuantizeConfig(dot=False)` keeps it float.
     """
 
     weights: tuple = ()
@@ -82,6 +84,7 @@ class LayerRow:
     float32: bool = False
     separable: bool = False
     attention: bool = False
+    matmul: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,6 +156,10 @@ _HUB_ATTENTION_ROW = LayerRow(
 # Concatenate into its producers; Q/DQ on its own inputs only add
 # requantizations: off by default, as for pooling.
 _CONCAT = LayerRow(quantizable=True)
+# A matmul of two activations (DLRM's feature interactions): TensorRT runs
+# it in INT8 when both inputs come from a DQ, as an attention matmul.
+# `weighted`: its output comes from a GEMM, as the lint sees it.
+_DOT = LayerRow(inputs=ALL_INPUTS, quantizable=True, weighted=True, matmul=True)
 _CHANNEL_WISE = LayerRow(permute=CHANNELWISE)
 _FLOAT32 = LayerRow(float32=True)
 
@@ -225,6 +232,7 @@ TABLE = {
     L.MultiHeadAttention: _ATTENTION,
     L.Add: LayerRow(inputs=SKIP_INPUTS, quantizable=True),
     L.Concatenate: _CONCAT,
+    L.Dot: _DOT,
     L.MaxPooling2D: _POOL,
     L.AveragePooling2D: _POOL,
     L.GlobalAveragePooling2D: _POOL,

@@ -58,6 +58,17 @@ def _attention(shape):
     return keras.Model(inputs, L.Dense(4, name="head")(x))
 
 
+def _dot(shape):
+    """Two projections of one sequence, their `Dot` over features (a
+    batched matmul of two activations, as attention's scores)."""
+    inputs = keras.Input(shape)
+    a = L.Dense(8, name="a")(inputs)
+    b = L.Dense(8, name="b")(inputs)
+    x = L.Dot(axes=2, name="sample")([a, b])
+    x = L.GlobalAveragePooling1D()(x)
+    return keras.Model(inputs, L.Dense(4, name="head")(x))
+
+
 def _pooled(cls, rank):
     """`Conv(8, 1) -> cls -> ...`: pooling of a conv's output."""
     conv = (L.Conv1D, L.Conv2D, L.Conv3D)[rank - 1]
@@ -120,6 +131,7 @@ SAMPLES = {
     L.MultiHeadAttention: (_attention, (6, 8)),
     L.Add: (_residual, (6, 6, 8)),
     L.Concatenate: (_concat, (6, 6, 8)),
+    L.Dot: (_dot, (6, 8)),
     **{
         cls: _pooled(cls, rank)
         for rank, classes in (

@@ -32,6 +32,12 @@ class QuantizeConfig:
             value). False leaves those two matmuls in float, as ModelOpt
             does for INT8 above sequence length 512; the projections stay
             quantized. Defaults to True.
+        dot: bool. For `keras.layers.Dot` layers (a DLRM's feature
+            interactions): Q/DQ on both inputs of their matmul of two
+            activations, after the l2-normalization of `normalize=True`.
+            False leaves that matmul in float (a pairwise dot of two
+            vectors is a GEMV, which ModelOpt's ONNX PTQ leaves in float).
+            Defaults to True.
 
     Raises:
         ValueError: `num_bits` is not an integer in [2, 8].
@@ -48,6 +54,7 @@ class QuantizeConfig:
     quantize_inputs: bool = None
     learned_range: bool = False
     attention: bool = True
+    dot: bool = True
 
     def __post_init__(self):
         if not isinstance(self.num_bits, int) or not 2 <= self.num_bits <= 8:

@@ -6,7 +6,9 @@ the inputs of weighted layers (per the layer table's row, or a
 fuse into the convolution before it; none on Concatenate and pooling (the
 consumer's Q moves across them); attention layers own one Q/DQ per
 distinct input tensor, and the projections inside them take theirs from
-the attention layer; a layer called more than once shares one input range.
+the attention layer; a `Dot` (a matmul of two activations) gets one on
+each input unless `QuantizeConfig(dot=False)`; a layer called more than
+once shares one input range.
 The ONNX lint (`keras_mp/onnx/rules.py`) checks the exported graph with the
 same fusibility facts (`fusable_producer`, and which ops TensorRT moves
 Q/DQ across or fuses them into: `COMMUTING_OPS`, `SCALE_COMMUTING_OPS`,
@@ -143,10 +145,13 @@ def _input_count(layer):
 
 
 def input_placement(layer, row, config):
-    """The input indices of a leaf layer that get a Q/DQ."""
+    """The input indices of a leaf layer that get a Q/DQ (none for a
+    matmul of two activations kept float by `QuantizeConfig(dot=False)`)."""
     placement = row.inputs
     if config.quantize_inputs is not None:
         placement = ALL_INPUTS if config.quantize_inputs else NO_INPUTS
+    if row.matmul and not config.dot:
+        return []
     if placement == ALL_INPUTS:
         return list(range(_input_count(layer)))
     if placement == SKIP_INPUTS:

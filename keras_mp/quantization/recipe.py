@@ -22,6 +22,7 @@ from keras_mp.quantization.attention import (
     QuantizedAttention,
 )
 from keras_mp.quantization.config import QuantizeConfig
+from keras_mp.quantization.dot import QuantizedDot
 from keras_mp.quantization.layers import QuantizeActivation, quantizable_row
 from keras_mp.quantization.twins import QuantizedLayer, WeightQuantizer
 
@@ -55,12 +56,14 @@ class Recipe:
 def twin_class(cls):
     """The quantized twin of layer class `cls`: a subclass of it and of
     `QuantizedLayer` (`QuantizedAttention` for attention layers,
-    `hub_attention`'s twins for keras-hub's own attention layers)."""
-    base = (
-        QuantizedAttention
-        if issubclass(cls, keras.layers.MultiHeadAttention)
-        else hub_attention.twin_base(cls) or QuantizedLayer
-    )
+    `hub_attention`'s twins for keras-hub's own attention layers,
+    `QuantizedDot` for `keras.layers.Dot`)."""
+    if issubclass(cls, keras.layers.MultiHeadAttention):
+        base = QuantizedAttention
+    elif issubclass(cls, keras.layers.Dot):
+        base = QuantizedDot
+    else:
+        base = hub_attention.twin_base(cls) or QuantizedLayer
     return type(
         f"Quantized{cls.__name__}",
         (base, cls),

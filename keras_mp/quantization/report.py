@@ -23,6 +23,8 @@ def _quantized_row(layer):
     notes = []
     if uncalibrated:
         notes.append("uncalibrated input range (0): run keras_mp.calibrate")
+    if _is_vector_dot(layer):
+        notes.append(VECTOR_DOT_NOTE)
     if layer.quantize_calls > 1 and named:
         notes.append(
             f"shared: called {layer.quantize_calls} times, one input range "
@@ -59,6 +61,24 @@ _RECURRENT = (
 )
 
 
+# ModelOpt's ONNX PTQ (`find_nodes_from_matmul_to_exclude` in
+# `modelopt/onnx/quantization/graph_selection.py`) leaves a MatMul of two
+# activations float when its output has a dimension of 1 (a GEMV, no Tensor
+# Core kernel): a Dot of two vectors is one (`docs/quantization.md`).
+VECTOR_DOT_NOTE = (
+    "a dot of two vectors (a GEMV): ModelOpt's ONNX PTQ keeps such MatMuls "
+    "float; QuantizeConfig(dot=False) does too"
+)
+
+
+def _is_vector_dot(layer):
+    """Whether a quantized `layer` is a Dot of two rank-2 inputs."""
+    if not quantizable_row(layer).matmul or not layer.input_quantizers:
+        return False
+    shapes = (layer.get_build_config() or {}).get("input_shape") or ()
+    return len(shapes) == 2 and all(len(s) == 2 for s in shapes)
+
+
 def _float_note(layer):
     if isinstance(layer, _RECURRENT):
         return RECURRENT_NOTE
@@ -76,6 +96,11 @@ def _float_note(layer):
         )
     if row is None:
         return "not a quantizable type: runs in float"
+    if row.matmul:
+        return (
+            "matmul of two activations runs in float: not selected, or "
+            "QuantizeConfig(dot=False)"
+        )
     if not row.weights and row.inputs == NO_INPUTS:
         return "no Q/DQ needed (TensorRT propagates scales)"
     if not row.weights and row.inputs == SKIP_INPUTS:

@@ -421,3 +421,57 @@ def test_conv_transpose_2_4_weights_are_counted():
     report = check_tensorrt(_up_concat(sparse=False), check_sparsity=True)
     assert "up_q" not in report.sparse_weights
     assert "up" in {f.node for f in report.violations}  # breaks 2:4
+
+
+def _interaction(quantize_embedding=True):
+    """A DLRM interaction: x -> Q/DQ -> MatMul (a Dense) -> Q/DQ ->
+    Unsqueeze -> MatMul <- Unsqueeze <- [Q/DQ] <- e (an embedding row):
+    the dot product of two activations, as keras.layers.Dot exports."""
+    inits = {"s": np.float32(0.05), "zp": np.int8(0)}
+    inits["axes1"], inits["axes2"] = np.array([1]), np.array([2])
+    nodes, x_dq = _qdq("x", "x")
+    w, w_dq, w_inits = _weight("w", (8, 8), 1)
+    inits.update(w_inits)
+    bottom_qdq, bottom = _qdq("bottom", "bottom")
+    nodes += [
+        w,
+        helper.make_node("MatMul", [x_dq, w_dq], ["bottom"], "dense"),
+        *bottom_qdq,
+    ]
+    e = "e"
+    if quantize_embedding:
+        e_qdq, e = _qdq("e", "e")
+        nodes += e_qdq
+    nodes += [
+        helper.make_node("Unsqueeze", [bottom, "axes1"], ["a"], "unsqueeze_a"),
+        helper.make_node("Unsqueeze", [e, "axes2"], ["b"], "unsqueeze_b"),
+        helper.make_node("MatMul", ["a", "b"], ["y"], "interaction"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "interaction",
+        [
+            helper.make_tensor_value_info(n, TensorProto.FLOAT, (2, 8))
+            for n in ("x", "e")
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(np.asarray(v), k) for k, v in inits.items()],
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 17)]
+    )
+    feeds = {n: RNG.random((2, 8), dtype=np.float32) for n in ("x", "e")}
+    ort.InferenceSession(model.SerializeToString()).run(None, feeds)
+    return model
+
+
+def test_matmul_of_two_activations_is_a_quantized_weighted_op():
+    # The Q/DQ on the Dense output feeds the interaction MatMul: it is
+    # used (no `output_qdq`), and that MatMul counts as INT8.
+    report = check_tensorrt(_interaction())
+    assert report.ok and report.warnings == [], str(report)
+    assert report.weighted_ops == report.weighted_ops_quantized == 2
+    # With one input float, TensorRT runs it in float: said so.
+    report = check_tensorrt(_interaction(quantize_embedding=False))
+    rules = [(f.rule, f.node) for f in report.warnings]
+    assert rules == [("partial_quantization", "interaction")]
