@@ -44,7 +44,7 @@ and is exported INT8 with its ONNX Runtime parity printed.
 
 Run:
 
-    python examples/recommender.py          # ~3 min on 2 cores
+    python examples/recommender.py          # ~4.5 min on 2 cores
     python examples/recommender.py --quick  # smoke run
 """
 
