@@ -114,6 +114,19 @@ def test_recommender(tmp_path, monkeypatch, capsys):
         (logits,) = session.run(None, {only.name: features})
         assert logits.shape == (64, 1) and np.all(np.isfinite(logits))
         assert np.std(logits) > 0  # the ids and features reach the output
+    # The GRU session model: INT8 Dense head, the GRU float inside a Loop.
+    assert "SYNTHETIC sessions" in out and "next_item: INT8" in out
+    path = tmp_path / "session_gru_int8.onnx"
+    lint = keras_mp.check_tensorrt(path)
+    assert lint.ok, str(lint)
+    assert lint.weighted_ops_quantized == 1 < lint.weighted_ops, str(lint)
+    history, _, _ = example["synthetic_sessions"](64, seed=5)
+    assert (history == 0).any()  # left padding, masked by the Embedding
+    session = ort.InferenceSession(
+        str(path), providers=["CPUExecutionProvider"]
+    )
+    (scores,) = session.run(None, {session.get_inputs()[0].name: history})
+    assert scores.shape == (64, 1000) and np.all(np.isfinite(scores))
 
 
 @pytest.mark.slow

@@ -17,6 +17,8 @@ from keras_mp.onnx.graph import walk
 from keras_mp.quantization.report import RECURRENT_NOTE
 
 TOKENS = np.random.default_rng(0).integers(1, 20, (4, 6)).astype("int32")
+# Padding the masked cases must skip: post, pre and a hole (id 0).
+TOKENS[0, 4:] = TOKENS[1, :2] = TOKENS[2, 3] = 0
 
 
 def _model(cell, bidirectional=False, sequences=False, **kwargs):
@@ -45,6 +47,10 @@ CASES = {
     "bigru_mixed_int8": (dict(cell="GRU", bidirectional=True), "mixed"),
     "simplernn_seq_int8": (dict(cell="SimpleRNN", sequences=True), "int8"),
     "masked_gru_int8": (dict(cell="GRU", mask_zero=True), "int8"),
+    "masked_bilstm_int8": (
+        dict(cell="LSTM", bidirectional=True, mask_zero=True),
+        "int8",
+    ),
     "unrolled_lstm_int8": (dict(cell="LSTM", unroll=True), "int8"),
 }
 
@@ -112,6 +118,20 @@ def test_lint_names_recurrent_matmuls_as_float(exported, name, float_ops):
     assert "Recurrent ops" in finding.message
     if float_ops == {"LSTM"}:
         assert inside[0].name in finding.message
+
+
+@pytest.mark.parametrize("name", ["masked_gru_int8", "masked_bilstm_int8"])
+def test_masked_export_skips_padding(exported, name):
+    # A masked step carries the state through, so a sequence padded before
+    # or after gives one output; the parity check alone would pass a graph
+    # that ignores the mask the same way Keras did not.
+    ort = pytest.importorskip("onnxruntime")
+    model, path = exported(name)
+    tokens = np.array([[3, 7, 11, 0, 0, 0], [0, 0, 0, 3, 7, 11]], "int32")
+    session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    (onnx_out,) = session.run(None, {session.get_inputs()[0].name: tokens})
+    np.testing.assert_allclose(onnx_out[0], onnx_out[1], atol=1e-5)
+    np.testing.assert_allclose(onnx_out, model(tokens), atol=1e-5)
 
 
 def test_quantization_report_notes_recurrent_layers(exported):
