@@ -17,6 +17,30 @@ tf.config.set_logical_device_configuration(
 )
 
 
+# Test files that share a session fixture's costly measurement run on one
+# pytest-xdist worker (`make test` distributes whole files, `--dist
+# loadfile`): the golden placement test reads the zoo's fast-subset INT8
+# ONNX that tests/onnx/test_zoo.py measures (`zoo_measured`, about a
+# minute of exports), which a second worker would measure again.
+SAME_WORKER = {
+    "tests/integration/test_golden_placement.py": "tests/onnx/test_zoo.py",
+}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getoption("dist", None) != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SharedFileScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid):
+            scope = super()._split_scope(nodeid)
+            return SAME_WORKER.get(scope, scope)
+
+    return SharedFileScheduling(config, log)
+
+
 @pytest.fixture(autouse=True)
 def _seed_and_policy():
     """Every test starts seeded and under float32, whatever the last did."""

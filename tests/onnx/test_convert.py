@@ -93,7 +93,14 @@ FLOAT_MODELS = [
     ("gelu_dense", _gelu_dense, set()),
     ("grouped_conv", _grouped_conv, set()),
     ("convnext_block", _convnext_block, set()),
-    ("EfficientNetB0", _app("EfficientNetB0"), set()),
+    # its INT8 export, and the two below: `.ci/run`'s slow step
+    pytest.param(
+        "EfficientNetB0",
+        _app("EfficientNetB0"),
+        set(),
+        marks=pytest.mark.slow,
+        id="EfficientNetB0",
+    ),
     pytest.param(
         "MobileNetV3Small",
         _app("MobileNetV3Small"),

@@ -47,14 +47,18 @@ def _concat_transpose_model():
 ARCHITECTURES = [
     # residual adds, depthwise convolutions, a dense head
     ("reference_cnn", lambda: reference_cnn(width=8), (28, 28, 1), 8),
-    # inverted residuals, depthwise (ReLU6), squeeze-free
-    (
+    # inverted residuals, depthwise (ReLU6), squeeze-free; slow, as the
+    # one below (`.ci/run` runs them; the zoo's fast subset has
+    # MobileNetV3Small in `make test`)
+    pytest.param(
         "MobileNetV2",
         lambda: keras.applications.MobileNetV2(
             input_shape=(32, 32, 3), alpha=0.35, weights=None, classes=10
         ),
         (32, 32, 3),
         None,
+        marks=pytest.mark.slow,
+        id="MobileNetV2",
     ),
     # squeeze-excite multiplies, depthwise, swish
     pytest.param(
