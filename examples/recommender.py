@@ -189,12 +189,20 @@ class DotInteraction(layers.Layer):
     """DLRM's interaction: dot products of every pair of feature vectors.
 
     Input `(batch, features, dim)`; output `(batch, features * (features -
-    1) / 2)`, the strictly upper triangle of `x @ x^T`.
+    1) / 2)`, the strictly upper triangle of `x @ x^T`. The batched matmul
+    is a `keras.layers.Dot` sublayer: `keras_mp.quantize_model` reaches it
+    inside this custom layer and puts Q/DQ on both its inputs (a matmul of
+    two activations, INT8 in TensorRT), which an `ops.matmul` in `call`
+    would leave in float.
     """
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.gram = layers.Dot(axes=2, name="gram")
 
     def call(self, inputs):
         count = inputs.shape[1]
-        gram = ops.matmul(inputs, ops.transpose(inputs, (0, 2, 1)))
+        gram = self.gram([inputs, inputs])
         upper = [
             i * count + j for i in range(count) for j in range(i + 1, count)
         ]

@@ -380,9 +380,11 @@ def _rule_output_qdq(graph):
         for q in graph.consumers_through(op.output[0]):
             if q.op_type != "QuantizeLinear":
                 continue
+            # INT8 values may move before their DQ (tf2onnx moves a Q back
+            # across a Concat, a Gather, a Reshape: DLRM's interactions)
             dqs = [
                 n
-                for n in graph.consumers_through(q.output[0])
+                for n in graph.reached_moving(q.output[0])
                 if n.op_type == "DequantizeLinear"
             ]
             if not any(_qdq_is_used(graph, dq) for dq in dqs):
