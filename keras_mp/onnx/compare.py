@@ -134,27 +134,41 @@ _MAX_CANDIDATES = 64
 
 
 def _match(graph, call, shape):
-    """(the ONNX tensors that may hold `call`'s output, None), or (None,
-    why not).
+    """(the ONNX tensors that may hold `call`'s output, as `(name, view)`
+    pairs (`Graph.views`), None), or (None, why not).
 
     The tensor of the same TensorFlow name when tf2onnx kept it; else the
     float tensors of a fitting shape among the nodes of the scope that
     produced the output (a layer returning its input points to its
     producer), then among the nodes of the layer's own scope, last first:
     the values decide among them (a layer called once per time step has
-    one such tensor per step in the same scope).
+    one such tensor per step in the same scope; a recurrent op's outputs
+    are read per direction and merged as `Bidirectional` merges them).
     """
     elem, dims = graph.types.get(call.tensor, (None, None))
     if elem in FLOAT_TYPES and fits(dims, shape):
-        return [call.tensor], None
+        return [(call.tensor, "")], None
+
+    def views(tensors):
+        return [
+            view
+            for name, dims in tensors
+            for view, view_dims in graph.views(name, dims)
+            if fits(view_dims, shape)
+        ]
+
+    # tf2onnx merges the nodes of a Bidirectional's two layers into one
+    # op under either's name: its parent's recurrent ops are candidates.
+    recurrent = []
+    if _is_recurrent(call.layer):
+        parent = call.scope.rsplit("/", 1)[0]
+        for scope in (call.scope, parent):
+            recurrent += views(graph.recurrent_outputs(scope))
     producer = call.tensor.rsplit("/", 1)[0]
     for scope in dict.fromkeys((producer, call.scope)):
-        found = [
-            name
-            for name, dims in graph.float_outputs(scope)
-            if fits(dims, shape)
-        ]
-        if found:
+        found = views(graph.float_outputs(scope))
+        if found or recurrent:
+            found = list(dict.fromkeys(recurrent + found))
             return found[:_MAX_CANDIDATES], None
     if call.scope not in graph.groups:
         return None, (
@@ -185,12 +199,24 @@ def _plan(graph, calls, values):
     taken = {tensors[0] for _, _, tensors in plan if len(tensors) == 1}
     for depth, call, why in orphans:
         parent = call.scope.rsplit("/", 1)[0]
-        free = [dq for dq in graph.activation_dqs(parent) if dq not in taken]
+        free = [
+            (dq, "")
+            for dq in graph.activation_dqs(parent)
+            if (dq, "") not in taken
+        ]
         if free:
             plan.append((depth, call, free))
         else:
             unmatched.append((call.name, why))
     return sorted(plan, key=lambda p: p[0]), unmatched
+
+
+def _is_recurrent(layer):
+    """A recurrent layer (`LSTM`, `GRU`, `SimpleRNN`, a `Bidirectional`):
+    its output may be an output of an ONNX recurrent op."""
+    import keras
+
+    return isinstance(layer, (keras.layers.RNN, keras.layers.Bidirectional))
 
 
 def _is_qdq(layer):
@@ -326,19 +352,25 @@ def compare_onnx(
             "is not an export of this model. Export it with "
             "keras_mp.export_onnx(model, path)."
         )
-    wanted = [t for _, _, tensors in plan for t in tensors]
+    wanted = [t for _, _, views in plan for t, _ in views]
     got = run_onnx(proto, graph, list(dict.fromkeys(wanted)), inputs)
 
     rows = []
-    for depth, call, tensors in plan:
+    for depth, call, views in plan:
         want = values[call.output]
         found = [
-            (err, t)
-            for t in tensors
-            if (err := error(got[t], want)) is not None
+            (err, f"{t} ({label})" if label else t)
+            for t, label in views
+            if (err := error(graph.view(t, label, got[t]), want)) is not None
         ]
         if not found:
-            unmatched.append((call.name, f"ONNX tensor {tensors[0]!r} shape"))
+            unmatched.append(
+                (
+                    call.name,
+                    "no ONNX tensor of its output's size among "
+                    f"{len(views)} candidates ({views[0][0]!r}, ...)",
+                )
+            )
             continue
         err, tensor = min(found, key=lambda f: f[0][1])
         layer, steps, qdq = call.layer, None, False
