@@ -15,33 +15,25 @@ import keras_mp
 from keras_mp.datasets import load_digits
 from keras_mp.onnx.compare_graph import _recurrent_views
 from keras_mp.onnx.compare_trace import IN_LOOP
+from keras_mp.onnx.graph import attr
 
 L = keras.layers
 
 
-def _lstm_model():
-    """ONNX LSTM ops: a Bidirectional LSTM returning sequences (concat),
-    a Dense per step (quantized in INT8), an LSTM returning its last
-    output and its states."""
+def _model():
+    """Every recurrent export in one small model. ONNX LSTM ops: a
+    Bidirectional LSTM returning sequences (concat), an LSTM returning
+    its last output and its states. ONNX Loops: a SimpleRNN returning
+    sequences, a Bidirectional GRU returning its last outputs, summed.
+    Between them a Dense per step, quantized in INT8."""
     inputs = keras.Input((8, 8))
     x = L.Bidirectional(L.LSTM(6, return_sequences=True), name="bilstm")(inputs)
     x = L.Dense(6, name="step_dense")(x)
     out, _, cell = L.LSTM(5, return_state=True, name="lstm")(x)
-    x = L.Concatenate(name="join")([out, cell])
-    return keras.Model(inputs, L.Dense(3, name="head")(x))
-
-
-def _loop_model():
-    """ONNX Loops: a SimpleRNN returning sequences, a Dense per step, a
-    Bidirectional GRU returning its last outputs, summed."""
-    inputs = keras.Input((8, 8))
-    x = L.SimpleRNN(6, return_sequences=True, name="rnn")(inputs)
-    x = L.Dense(6, name="step_dense")(x)
+    x = L.SimpleRNN(6, return_sequences=True, name="rnn")(x)
     x = L.Bidirectional(L.GRU(5), merge_mode="sum", name="bigru")(x)
+    x = L.Concatenate(name="join")([out, cell, x])
     return keras.Model(inputs, L.Dense(3, name="head")(x))
-
-
-MODELS = {"lstm": _lstm_model, "loop": _loop_model}
 
 
 def _recurrent(model):
@@ -75,22 +67,22 @@ def digits_rows():
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory, digits_rows):
-    """(kind, mode) -> (model, ONNX path), exported once and verified by
-    the export's own parity check."""
+    """mode -> (model, ONNX path), float or INT8, exported once and
+    verified by the export's own parity check."""
     folder = tmp_path_factory.mktemp("compare_recurrent")
     done = {}
 
-    def export(kind, mode):
-        if (kind, mode) not in done:
+    def export(mode):
+        if mode not in done:
             keras.utils.set_random_seed(0)
-            model = MODELS[kind]()
+            model = _model()
             if mode == "int8":
                 model = keras_mp.quantize_model(model)
                 keras_mp.calibrate(model, digits_rows, verbose=0)
-            path = str(folder / f"{kind}_{mode}.onnx")
+            path = str(folder / f"{mode}.onnx")
             keras_mp.export_onnx(model, path, verify_data=digits_rows)
-            done[kind, mode] = model, path
-        return done[kind, mode]
+            done[mode] = model, path
+        return done[mode]
 
     return export
 
@@ -109,19 +101,16 @@ def _by_name(report, model):
 
 
 @pytest.mark.parametrize("mode", ["float", "int8"])
-@pytest.mark.parametrize("kind", ["lstm", "loop"])
-def test_exact_recurrent_export_has_no_divergence(
-    exported, digits_rows, kind, mode
-):
+def test_exact_recurrent_export_has_no_divergence(exported, digits_rows, mode):
     """Every recurrent layer, direction and state is compared in Keras'
     layout, within float32 rounding; the cells are named as inside a
     Loop body, never compared with a wrong tensor."""
-    model, path = exported(kind, mode)
+    model, path = exported(mode)
     report = keras_mp.compare_onnx(model, path, digits_rows)
     assert report.first_divergence is None, str(report)
     rows, why = _by_name(report, model)
     expected, cells = _recurrent(model)
-    assert len(expected) == {"lstm": 6, "loop": 4}[kind]
+    assert len(expected) == 10
     for name in expected:
         assert name in rows, (name, str(report))
         assert rows[name].rel_l2 < 1e-5, str(report)
@@ -144,8 +133,11 @@ def _edit_initializer(path, out, name, edit):
     return out
 
 
-def _first_op(path, op_type):
-    return next(n for n in onnx.load(path).graph.node if n.op_type == op_type)
+def _directions(model, name):
+    """The row paths of the two layers of Bidirectional `name`."""
+    layer = getattr(model, "model", model).get_layer(name)
+    inner = (layer.forward_layer, layer.backward_layer)
+    return [f"{name}/{one.name}" for one in inner]
 
 
 def test_broken_lstm_direction_is_found_at_its_layer(
@@ -154,8 +146,13 @@ def test_broken_lstm_direction_is_found_at_its_layer(
     """The backward direction's input weights of the Bidirectional LSTM
     op scaled: its layer is the first divergence, the forward one is
     not."""
-    model, path = exported("lstm", "int8")
-    weight = _first_op(path, "LSTM").input[1]  # W: (directions, 4H, in)
+    model, path = exported("int8")
+    bilstm = next(
+        n
+        for n in onnx.load(path).graph.node
+        if n.op_type == "LSTM" and attr(n, "direction", b"") == b"bidirectional"
+    )
+    weight = bilstm.input[1]  # W: (directions, 4 * hidden, features)
 
     def scale_backward(w):
         w[1] *= 1.5
@@ -166,7 +163,7 @@ def test_broken_lstm_direction_is_found_at_its_layer(
     )
     report = keras_mp.compare_onnx(model, bad, digits_rows, samples=8)
     rows, _ = _by_name(report, model)
-    forward, backward = _recurrent(model)[0][:2]
+    forward, backward = _directions(model, "bilstm")
     assert report.first_divergence is rows[backward], str(report)
     assert "direction 1" in rows[backward].tensor
     assert not rows[forward].diverged
@@ -176,10 +173,10 @@ def test_broken_lstm_direction_is_found_at_its_layer(
 def test_broken_dense_after_lstm_is_found_at_the_dense(
     exported, digits_rows, tmp_path
 ):
-    """A quarter of the INT8 weights of the Dense between the two LSTMs
-    negated: the Dense diverges first, the LSTM before it agrees, and
-    the LSTM after it diverges too."""
-    model, path = exported("lstm", "int8")
+    """A quarter of the INT8 weights of the Dense between the recurrent
+    layers negated: the Dense diverges first, the Bidirectional LSTM
+    before it agrees, the LSTM and the SimpleRNN after it diverge."""
+    model, path = exported("int8")
     proto = onnx.load(path)
     weight = next(
         i.name
@@ -196,7 +193,7 @@ def test_broken_dense_after_lstm_is_found_at_the_dense(
     assert report.first_divergence.name.endswith("/step_dense"), str(report)
     rows, _ = _by_name(report, model)
     assert not rows["bilstm"].diverged
-    assert rows["lstm"].diverged
+    assert rows["lstm"].diverged and rows["rnn"].diverged
 
 
 def test_broken_gru_kernel_in_a_loop_body_is_found_at_the_gru(
@@ -204,7 +201,7 @@ def test_broken_gru_kernel_in_a_loop_body_is_found_at_the_gru(
 ):
     """The kernel the backward GRU's Loop body reads, scaled: the
     backward GRU diverges first."""
-    model, path = exported("loop", "float")
+    model, path = exported("float")
     loops = [n for n in onnx.load(path).graph.node if n.op_type == "Loop"]
     backward = next(n for n in loops if "backward_gru" in n.name)
     inits = {i.name for i in onnx.load(path).graph.initializer}
@@ -215,9 +212,10 @@ def test_broken_gru_kernel_in_a_loop_body_is_found_at_the_gru(
         path, str(tmp_path / "bad.onnx"), kernel, lambda w: w * 1.5
     )
     report = keras_mp.compare_onnx(model, bad, digits_rows, samples=8)
-    first = report.first_divergence
-    assert first is not None and first.name == "bigru/backward_gru", str(report)
-    assert not _by_name(report, model)[0]["bigru/forward_gru"].diverged
+    rows, _ = _by_name(report, model)
+    forward, backward = _directions(model, "bigru")
+    assert report.first_divergence is rows[backward], str(report)
+    assert not rows[forward].diverged and not rows["rnn"].diverged
 
 
 def test_recurrent_views_read_directions_as_keras_does():
