@@ -106,9 +106,17 @@ class CompareReport:
             self.to_markdown(),
         ]
         if self.unmatched:
+            # One reason once, after the layers it holds for (the cells
+            # of every recurrent layer share one).
+            by_reason = {}
+            for name, why in self.unmatched:
+                by_reason.setdefault(why, []).append(name)
             text.append(
                 "Not compared: "
-                + "; ".join(f"{n} ({why})" for n, why in self.unmatched)
+                + "; ".join(
+                    f"{', '.join(names)} ({why})"
+                    for why, names in by_reason.items()
+                )
             )
         return "\n".join(text)
 
@@ -255,7 +263,12 @@ def compare_onnx(
     activation Q/DQ (the input quantizers of quantized layers, stand-alone
     `QuantizeActivation` layers) is compared in quantization steps
     (`amax / 127` for 8 bits): a rounding flip is one step, more is a
-    bug. Rows come in the order the calls finish (a layer's inner layers
+    bug. A recurrent layer (`LSTM`, `GRU`, `SimpleRNN`, each layer of a
+    `Bidirectional`, each state of `return_state`) is compared with the
+    outputs of its ONNX `LSTM`/`GRU`/`RNN` op or `Loop`, read per
+    direction, in reverse time order or with the two directions merged
+    as Keras does; its cell, which runs inside that op or loop, is
+    listed as not compared. Rows come in the order the calls finish (a layer's inner layers
     before it), so the first row past a tolerance is where ONNX and Keras
     part.
 
