@@ -25,21 +25,24 @@ def _model():
     Bidirectional LSTM returning sequences (concat), an LSTM returning
     its last output and its states. ONNX Loops: a SimpleRNN returning
     sequences, a Bidirectional GRU returning its last outputs, summed.
-    Between them a Dense per step, quantized in INT8."""
+    No loop: an unrolled LSTM. Between them a Dense per step, quantized
+    in INT8."""
     inputs = keras.Input((8, 8))
     x = L.Bidirectional(L.LSTM(6, return_sequences=True), name="bilstm")(inputs)
     x = L.Dense(6, name="step_dense")(x)
     out, _, cell = L.LSTM(5, return_state=True, name="lstm")(x)
+    unrolled = L.LSTM(3, unroll=True, name="unrolled")(x)
     x = L.SimpleRNN(6, return_sequences=True, name="rnn")(x)
     x = L.Bidirectional(L.GRU(5), merge_mode="sum", name="bigru")(x)
-    x = L.Concatenate(name="join")([out, cell, x])
+    x = L.Concatenate(name="join")([out, cell, unrolled, x])
     return keras.Model(inputs, L.Dense(3, name="head")(x))
 
 
 def _recurrent(model):
     """(rows, cells): the paths of the rows every export of `model` must
     have (each recurrent layer, each layer of a Bidirectional, each state
-    of `return_state`), and of the cells inside their loops. Paths are
+    of `return_state`, each step of an unrolled layer's cell), and of the
+    cells inside loops. Paths are
     below the float model; the two layers of a Bidirectional are named
     from Keras' per-process counter (`forward_lstm_1`)."""
     rows, cells = [], []
@@ -48,6 +51,10 @@ def _recurrent(model):
             for inner in (layer.forward_layer, layer.backward_layer):
                 rows.append(f"{layer.name}/{inner.name}")
                 cells.append(f"{layer.name}/{inner.name}/{inner.cell.name}")
+        elif isinstance(layer, L.RNN) and layer.unroll:
+            # one cell call per step, at the top of the graph
+            cell = f"{layer.name}/{layer.cell.name}"
+            rows += [cell] + [f"{cell} (call {t})" for t in range(2, 9)]
         elif isinstance(layer, L.RNN):
             cells.append(f"{layer.name}/{layer.cell.name}")
         else:
@@ -110,7 +117,7 @@ def test_exact_recurrent_export_has_no_divergence(exported, digits_rows, mode):
     assert report.first_divergence is None, str(report)
     rows, why = _by_name(report, model)
     expected, cells = _recurrent(model)
-    assert len(expected) == 10
+    assert len(expected) == 19
     for name in expected:
         assert name in rows, (name, str(report))
         assert rows[name].rel_l2 < 1e-5, str(report)
