@@ -276,8 +276,11 @@ def compare_onnx(
             unmatched.append(
                 (
                     call.name,
-                    "no ONNX tensor of its output's size among "
-                    f"{len(views)} candidates ({views[0][0]!r}, ...)",
+                    "no ONNX tensor of its output's size (tried "
+                    + ", ".join(
+                        repr(t) for t in dict.fromkeys(t for t, _ in views)
+                    )
+                    + ")",
                 )
             )
             continue
