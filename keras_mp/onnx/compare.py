@@ -7,11 +7,11 @@ import os
 from keras_mp import _inputs as _inputs_mod
 from keras_mp._compat import optional_import
 from keras_mp._models import check_graph_model
-from keras_mp.onnx.compare_graph import FLOAT_TYPES, Graph, error, fits
+from keras_mp.onnx.compare_graph import Graph, error
 from keras_mp.onnx.compare_graph import run as run_onnx
+from keras_mp.onnx.compare_match import is_qdq, plan, step
 from keras_mp.onnx.compare_trace import keras_values, trace
 from keras_mp.onnx.twin import float32_twin, half_compute_dtype
-from keras_mp.quantization.layers import QuantizeActivation
 from keras_mp.quantization.legacy import check_current
 
 
@@ -106,9 +106,17 @@ class CompareReport:
             self.to_markdown(),
         ]
         if self.unmatched:
+            # One reason once, after the layers it holds for (the cells
+            # of every recurrent layer share one).
+            by_reason = {}
+            for name, why in self.unmatched:
+                by_reason.setdefault(why, []).append(name)
             text.append(
                 "Not compared: "
-                + "; ".join(f"{n} ({why})" for n, why in self.unmatched)
+                + "; ".join(
+                    f"{', '.join(names)} ({why})"
+                    for why, names in by_reason.items()
+                )
             )
         return "\n".join(text)
 
@@ -125,86 +133,6 @@ def _inputs(model, data, samples):
     specs = _inputs_mod.input_specs(model, "compare_onnx")
     arrays = _inputs_mod.as_input_list(data, specs, "`data`")
     return [x[:samples] for x in arrays] if samples else arrays
-
-
-# Candidates kept per layer call when its tensor was renamed: enough for
-# the calls of a layer repeated over time steps (`TimeDistributed`), whose
-# tensors share one scope.
-_MAX_CANDIDATES = 64
-
-
-def _match(graph, call, shape):
-    """(the ONNX tensors that may hold `call`'s output, None), or (None,
-    why not).
-
-    The tensor of the same TensorFlow name when tf2onnx kept it; else the
-    float tensors of a fitting shape among the nodes of the scope that
-    produced the output (a layer returning its input points to its
-    producer), then among the nodes of the layer's own scope, last first:
-    the values decide among them (a layer called once per time step has
-    one such tensor per step in the same scope).
-    """
-    elem, dims = graph.types.get(call.tensor, (None, None))
-    if elem in FLOAT_TYPES and fits(dims, shape):
-        return [call.tensor], None
-    producer = call.tensor.rsplit("/", 1)[0]
-    for scope in dict.fromkeys((producer, call.scope)):
-        found = [
-            name
-            for name, dims in graph.float_outputs(scope)
-            if fits(dims, shape)
-        ]
-        if found:
-            return found[:_MAX_CANDIDATES], None
-    if call.scope not in graph.groups:
-        return None, (
-            "no ONNX node carries its name (folded into a constant, or "
-            "renamed by tf2onnx)"
-        )
-    return None, "no ONNX tensor of its output's shape"
-
-
-def _plan(graph, calls, values):
-    """Per call, the ONNX tensors to compare its output with, and the calls
-    with none (and why).
-
-    A Q/DQ tf2onnx renamed (a Transpose moved between its QuantizeLinear
-    and DequantizeLinear, a layer quantizing its own input) has no node
-    of its scope: it is matched with the activation DequantizeLinears of
-    its parent layer that no other Q/DQ took, the best fit chosen.
-    """
-    plan, unmatched, orphans = [], [], []
-    for depth, call in enumerate(calls):
-        tensors, why = _match(graph, call, values[call.output].shape)
-        if tensors is not None:
-            plan.append((depth, call, tensors))
-        elif _is_qdq(call.layer):
-            orphans.append((depth, call, why))
-        else:
-            unmatched.append((call.name, why))
-    taken = {tensors[0] for _, _, tensors in plan if len(tensors) == 1}
-    for depth, call, why in orphans:
-        parent = call.scope.rsplit("/", 1)[0]
-        free = [dq for dq in graph.activation_dqs(parent) if dq not in taken]
-        if free:
-            plan.append((depth, call, free))
-        else:
-            unmatched.append((call.name, why))
-    return sorted(plan, key=lambda p: p[0]), unmatched
-
-
-def _is_qdq(layer):
-    """A calibrated, enabled `QuantizeActivation`: its output is a Q/DQ."""
-    return (
-        isinstance(layer, QuantizeActivation)
-        and layer.enabled
-        and _step(layer) > 0
-    )
-
-
-def _step(quantizer):
-    """One quantization step of a `QuantizeActivation` (0 uncalibrated)."""
-    return float(quantizer.amax.numpy()) / quantizer.format.qmax
 
 
 def _kind(layer):
@@ -229,7 +157,14 @@ def compare_onnx(
     activation Q/DQ (the input quantizers of quantized layers, stand-alone
     `QuantizeActivation` layers) is compared in quantization steps
     (`amax / 127` for 8 bits): a rounding flip is one step, more is a
-    bug. Rows come in the order the calls finish (a layer's inner layers
+    bug. A recurrent layer (`LSTM`, `GRU`, `SimpleRNN`, each layer of a
+    `Bidirectional`, each state of `return_state`) is compared with the
+    outputs of its ONNX `LSTM`/`GRU`/`RNN` op or `Loop`, read per
+    direction, in reverse time order or with the two directions merged
+    as Keras does; its cell, which runs inside that op or loop, is
+    listed as not compared.
+
+    Rows come in the order the calls finish (a layer's inner layers
     before it), so the first row past a tolerance is where ONNX and Keras
     part.
 
@@ -318,33 +253,42 @@ def compare_onnx(
     if max_rel_l2 is None:
         max_rel_l2 = _TOLERANCES[precision][1]
 
-    plan, unmatched = _plan(graph, calls, values)
+    matched, unmatched = plan(graph, calls, values)
     unmatched = [(path, why) for _, path, why in never] + unmatched
-    if not plan:
+    if not matched:
         raise ValueError(
             f"No layer of model {model.name!r} appears in {onnx_path}: it "
             "is not an export of this model. Export it with "
             "keras_mp.export_onnx(model, path)."
         )
-    wanted = [t for _, _, tensors in plan for t in tensors]
+    wanted = [t for _, _, views in matched for t, _ in views]
     got = run_onnx(proto, graph, list(dict.fromkeys(wanted)), inputs)
 
     rows = []
-    for depth, call, tensors in plan:
+    for depth, call, views in matched:
         want = values[call.output]
         found = [
-            (err, t)
-            for t in tensors
-            if (err := error(got[t], want)) is not None
+            (err, f"{t} ({label})" if label else t)
+            for t, label in views
+            if (err := error(graph.view(t, label, got[t]), want)) is not None
         ]
         if not found:
-            unmatched.append((call.name, f"ONNX tensor {tensors[0]!r} shape"))
+            unmatched.append(
+                (
+                    call.name,
+                    "no ONNX tensor of its output's size (tried "
+                    + ", ".join(
+                        repr(t) for t in dict.fromkeys(t for t, _ in views)
+                    )
+                    + ")",
+                )
+            )
             continue
         err, tensor = min(found, key=lambda f: f[0][1])
         layer, steps, qdq = call.layer, None, False
-        if _is_qdq(layer):
+        if is_qdq(layer):
             qdq = True
-            steps = err[0] / _step(layer)
+            steps = err[0] / step(layer)
         # A Q/DQ's output is judged in steps only: flips of single values
         # are rounding, however many there are.
         rel_l2 = None if qdq else err[1]

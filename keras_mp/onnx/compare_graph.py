@@ -9,6 +9,7 @@ import os
 import numpy as np
 
 from keras_mp._compat import optional_import
+from keras_mp.onnx.graph import RECURRENT_OPS, attr
 from keras_mp.onnx.parity import ort_session, run_session
 
 FLOAT_TYPES = (1, 10, 11)  # onnx.TensorProto FLOAT, FLOAT16, DOUBLE
@@ -92,10 +93,105 @@ def error(got, want):
     return best
 
 
+def _recurrent_views(slot, directions):
+    """(label, function) pairs: the arrays a Keras layer's output can be
+    of output `slot` of an ONNX LSTM/GRU/RNN op with `directions`
+    directions, the output as it is first (`_layouts` brings its
+    `(T, 1, N, H)` to `(N, T, H)`).
+
+    `Y` (slot 0) is `(T, D, N, H)` in input time order; `Y_h`, `Y_c` are
+    `(D, N, H)`. A Keras layer with `go_backwards` returns its sequence
+    last step first, and `Bidirectional` concatenates, sums, averages or
+    multiplies its two layers' outputs (`merge_mode`), both in input
+    order.
+    """
+    axis = 1 if slot == 0 else 0
+    views = [("", _same)]
+    if slot == 0:
+        views.append(("time reversed", _reversed))
+    if directions != 2:
+        return views
+    for k in range(2):
+        views.append((f"direction {k}", _direction(axis, k)))
+        if slot == 0:
+            views.append(
+                (f"direction {k}, time reversed", _direction(axis, k, True))
+            )
+    merges = {
+        "concatenated": lambda y: np.concatenate(
+            [np.take(y, 0, axis), np.take(y, 1, axis)], axis=-1
+        ),
+        "summed": lambda y: y.sum(axis),
+        "averaged": lambda y: y.mean(axis),
+        "multiplied": lambda y: y.prod(axis),
+    }
+    return views + [(f"directions {k}", f) for k, f in merges.items()]
+
+
+def _same(y):
+    return y
+
+
+def _reversed(y):
+    return y[::-1]
+
+
+def _direction(axis, k, reverse=False):
+    def view(y):
+        y = np.take(y, k, axis)
+        return y[::-1] if reverse else y
+
+    return view
+
+
+def _scopes(node):
+    """Every name scope the node's name or its outputs' names lie in."""
+    scopes = set()
+    for name in (node.name, *node.output):
+        parts = name.split("/")
+        scopes.update("/".join(parts[:k]) for k in range(1, len(parts)))
+    return scopes
+
+
+def _adopted(nodes):
+    """Scopes for the recurrent ops tf2onnx named after no scope
+    (`LSTM__33`): those of the scoped nodes they read from and feed,
+    reached through unscoped nodes (the Unsqueeze of an initial state,
+    the Squeeze and Slice of a direction, a Q/DQ moved next to it), by
+    node index."""
+    nodes = list(nodes)
+    producers = {o: n for n in nodes for o in n.output}
+    consumers = {}
+    for node in nodes:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+    found = {}
+    for index, node in enumerate(nodes):
+        if node.op_type not in RECURRENT_OPS or _scopes(node):
+            continue
+        scopes, seen = set(), {id(node)}
+        todo = [node]
+        while todo:
+            current = todo.pop()
+            near = [producers[i] for i in current.input if i in producers]
+            near += [c for o in current.output for c in consumers.get(o, [])]
+            for other in near:
+                if id(other) in seen or other.op_type in RECURRENT_OPS:
+                    continue
+                seen.add(id(other))
+                if own := _scopes(other):
+                    scopes |= own
+                else:
+                    todo.append(other)
+        found[index] = scopes
+    return found
+
+
 class Graph:
     """The ONNX graph's tensor types, and its nodes grouped by every name
     scope their names (or their outputs' names) lie in: a layer's group
-    holds the nodes of the layers inside it too."""
+    holds the nodes of the layers inside it too. A recurrent op tf2onnx
+    named after no scope joins the groups of the nodes around it."""
 
     def __init__(self, proto):
         onnx = optional_import("onnx")
@@ -116,14 +212,33 @@ class Graph:
         self.float16 = any(
             elem == FLOAT16 for elem, _ in self.types.values()
         ) or any(i.data_type == FLOAT16 for i in proto.graph.initializer)
-        self.groups = {}
-        for node in proto.graph.node:
-            scopes = set()
-            for name in (node.name, *node.output):
-                parts = name.split("/")
-                scopes.update("/".join(parts[:k]) for k in range(1, len(parts)))
+        self.groups, self.recurrent = {}, {}
+        adopted = _adopted(proto.graph.node)
+        for index, node in enumerate(proto.graph.node):
+            scopes = _scopes(node) | adopted.get(index, set())
             for scope in scopes:
                 self.groups.setdefault(scope, []).append(node)
+            if node.op_type in RECURRENT_OPS:
+                two = attr(node, "direction", b"forward") == b"bidirectional"
+                for slot, out in enumerate(node.output):
+                    self.recurrent[out] = _recurrent_views(slot, 1 + two)
+
+    def views(self, name, dims):
+        """`((name, label), dims)` for each way a Keras output can be read
+        from tensor `name`: the tensor itself (label `""`), and for an
+        output of a recurrent op one direction, its steps in reverse or
+        the two directions merged (`_recurrent_views`; their shapes
+        left to the values, dims None)."""
+        views = self.recurrent.get(name, [("", None)])
+        return [
+            ((name, label), dims if not label else None) for label, _ in views
+        ]
+
+    def view(self, name, label, value):
+        """`value` of tensor `name` read as `label` (see `views`)."""
+        if not label:
+            return value
+        return dict(self.recurrent[name])[label](value)
 
     def float_outputs(self, scope):
         """The float tensors the scope's nodes produce, last first."""
@@ -134,6 +249,16 @@ class Graph:
                 if elem in FLOAT_TYPES:
                     found.append((out, shape))
         return found
+
+    def recurrent_outputs(self, scope):
+        """The float outputs of the recurrent ops in the scope's group."""
+        return [
+            (out, self.types[out][1])
+            for node in self.groups.get(scope, [])
+            if node.op_type in RECURRENT_OPS
+            for out in node.output
+            if self.types.get(out, (None,))[0] in FLOAT_TYPES
+        ]
 
     def activation_dqs(self, scope):
         return [

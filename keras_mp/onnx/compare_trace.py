@@ -12,6 +12,10 @@ from keras_mp._models import walk_layers
 from keras_mp.quantization.twins import WeightQuantizer
 
 NOT_CALLED = "not called when the model runs at inference"
+IN_LOOP = (
+    "inside a Loop body: a recurrent cell's steps run inside its layer's "
+    "ONNX LSTM/GRU/RNN op or Loop; compared at that layer's output"
+)
 
 
 @dataclasses.dataclass
@@ -36,12 +40,7 @@ def reachable(model):
     import keras
 
     found, paths = [], set()
-    for layer, parents in walk_layers(
-        model,
-        include_models=True,
-        with_parents=True,
-        owned=True,
-    ):
+    for layer, parents in _walk(model):
         if isinstance(layer, (keras.layers.InputLayer, WeightQuantizer)):
             continue
         path = base = "/".join(p.name for p in parents + (layer,))
@@ -52,6 +51,33 @@ def reachable(model):
         paths.add(path)
         found.append((layer, path))
     return found
+
+
+def in_loop(model):
+    """The ids of the layers inside `model` that run inside a recurrent
+    layer's time loop: the cell of each `keras.layers.RNN` (`LSTM`,
+    `GRU`, `SimpleRNN`, the two of a `Bidirectional`) that is not
+    unrolled, and the layers inside that cell. Keras calls such a cell
+    once outside the loop too (a probe for its output shape, whose
+    result is dropped), so its calls are none of the graph's tensors."""
+    import keras
+
+    return {
+        id(layer)
+        for layer, parents in _walk(model)
+        if any(
+            isinstance(p, keras.layers.RNN) and not p.unroll for p in parents
+        )
+    }
+
+
+def _walk(model):
+    return walk_layers(
+        model,
+        include_models=True,
+        with_parents=True,
+        owned=True,
+    )
 
 
 @contextlib.contextmanager
@@ -83,18 +109,23 @@ def _recording(layers, calls, fetched, skipped, graph):
                 return out
             count[id(layer)] = n = count.get(id(layer), 0) + 1
             name = path if n == 1 else f"{path} (call {n})"
-            fetched.append(floats[0])
-            output = len(fetched) - 1
             scope = tf.get_current_name_scope()
-            calls.append(
-                Call(
-                    layer,
-                    name,
-                    scope,
-                    floats[0].name,
-                    output,
-                )
+            # A recurrent layer's states (`return_state=True`) are rows of
+            # their own: the ONNX op holds them apart (Y_h, Y_c).
+            kept = (
+                floats if getattr(layer, "return_state", False) else [floats[0]]
             )
+            for i, tensor in enumerate(kept):
+                fetched.append(tensor)
+                calls.append(
+                    Call(
+                        layer,
+                        f"{name} (state {i})" if i else name,
+                        scope,
+                        tensor.name,
+                        len(fetched) - 1,
+                    )
+                )
             return out
 
         return recorded
@@ -130,8 +161,10 @@ def trace(model, specs):
     """
     import tensorflow as tf
 
-    layers = reachable(model)
-    calls, skipped = [], {}
+    everything, looped = reachable(model), in_loop(model)
+    # A cell's calls happen inside its layer's loop: not hooked at all.
+    layers = [(lay, path) for lay, path in everything if id(lay) not in looped]
+    calls, skipped = [], dict.fromkeys(looped, IN_LOOP)
     signature = [
         tf.TensorSpec((None,) + tuple(s.shape[1:]), s.dtype, name=s.name)
         for s in specs
@@ -150,7 +183,7 @@ def trace(model, specs):
     called = {id(c.layer) for c in calls}
     never = [
         (layer, path, skipped.get(id(layer), NOT_CALLED))
-        for layer, path in layers
+        for layer, path in everything
         if id(layer) not in called
     ]
     return run, calls, never

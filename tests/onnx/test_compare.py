@@ -217,17 +217,6 @@ def _gru(x):
     return L.GRU(6)(x)
 
 
-# Recurrent layers export now (issue 23, item 1), but compare_onnx matches
-# their output to the wrong ONNX tensor (an LSTM op's (T, D, N, H) output,
-# a GRU's Loop outputs): issue 23, item 6, still open.
-_RNN = pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="compare_onnx does not map LSTM/GRU op and Loop outputs yet "
-    "(issue 23, item 6)",
-)
-
-
 @pytest.mark.parametrize(
     "body, shape",
     [
@@ -235,16 +224,18 @@ _RNN = pytest.mark.xfail(
         pytest.param(_separable_conv1d, (16, 3), id="SeparableConv1D"),
         pytest.param(_conv3d, (6, 6, 6, 2), id="Conv3D"),
         pytest.param(_time_distributed_conv2d, (3, 8, 8, 2), id="TD-Conv2D"),
-        pytest.param(_lstm, (5, 4), id="LSTM", marks=_RNN),
-        pytest.param(_gru, (5, 4), id="GRU", marks=_RNN),
+        pytest.param(_lstm, (5, 4), id="LSTM"),
+        pytest.param(_gru, (5, 4), id="GRU"),
     ],
 )
 def test_layouts_that_change_rank_or_put_time_first_are_mapped(
     body, shape, tmp_path
 ):
     """ONNX runs a Conv1D as a 2-D Conv on `(N, C, 1, W)`, a Conv3D on
-    NCDHW, a `TimeDistributed` layer once per time step and stacks them:
-    an exact INT8 export has no divergence, every Q/DQ within a step."""
+    NCDHW, a `TimeDistributed` layer once per time step and stacks them,
+    an LSTM as an LSTM op with a `(T, 1, N, H)` output, a GRU as a Loop:
+    an exact INT8 export has no divergence, every Q/DQ within a step
+    (more recurrent cases: tests/onnx/test_compare_recurrent.py)."""
     keras.utils.set_random_seed(0)
     inputs = keras.Input(shape)
     features = body(inputs)
@@ -257,8 +248,11 @@ def test_layouts_that_change_rank_or_put_time_first_are_mapped(
     report = keras_mp.compare_onnx(qmodel, path, x)
     assert report.first_divergence is None, str(report)
     assert report.precision == "float32"
-    # the convolutions themselves are compared, in their own layout
-    weighted = [r for r in report.rows if "Conv" in r.kind]
+    # the convolutions and recurrent layers themselves are compared, in
+    # their own layout
+    weighted = [
+        r for r in report.rows if "Conv" in r.kind or r.kind in ("LSTM", "GRU")
+    ]
     assert weighted and max(r.rel_l2 for r in weighted) < 1e-5, str(report)
     qdqs = [r for r in report.rows if r.kind == "QuantizeActivation"]
     assert qdqs and all(r.steps <= 1.0 + 1e-3 for r in qdqs), str(report)

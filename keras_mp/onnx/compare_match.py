@@ -1,0 +1,113 @@
+"""Which ONNX tensors may hold each layer call's output, for
+`compare_onnx`: the tensor of the same TensorFlow name, else the float
+tensors of its scope, a recurrent op's outputs read as Keras returns
+them, or, for a Q/DQ tf2onnx renamed, its parent's activation
+DequantizeLinears."""
+
+from keras_mp.onnx.compare_graph import FLOAT_TYPES, fits
+from keras_mp.quantization.layers import QuantizeActivation
+
+# Candidates kept per layer call when its tensor was renamed: enough for
+# the calls of a layer repeated over time steps (`TimeDistributed`), whose
+# tensors share one scope.
+_MAX_CANDIDATES = 64
+
+
+def _match(graph, call, shape):
+    """(the ONNX tensors that may hold `call`'s output, as `(name, view)`
+    pairs (`Graph.views`), None), or (None, why not).
+
+    The tensor of the same TensorFlow name when tf2onnx kept it; else the
+    float tensors of a fitting shape among the nodes of the scope that
+    produced the output (a layer returning its input points to its
+    producer), then among the nodes of the layer's own scope, last first:
+    the values decide among them (a layer called once per time step has
+    one such tensor per step in the same scope; a recurrent op's outputs
+    are read per direction and merged as `Bidirectional` merges them).
+    """
+    elem, dims = graph.types.get(call.tensor, (None, None))
+    if elem in FLOAT_TYPES and fits(dims, shape):
+        return [(call.tensor, "")], None
+
+    def views(tensors):
+        return [
+            view
+            for name, dims in tensors
+            for view, view_dims in graph.views(name, dims)
+            if fits(view_dims, shape)
+        ]
+
+    # tf2onnx merges the nodes of a Bidirectional's two layers into one
+    # op under either's name: its parent's recurrent ops are candidates.
+    recurrent = []
+    if _is_recurrent(call.layer):
+        parent = call.scope.rsplit("/", 1)[0]
+        for scope in (call.scope, parent):
+            recurrent += views(graph.recurrent_outputs(scope))
+    producer = call.tensor.rsplit("/", 1)[0]
+    for scope in dict.fromkeys((producer, call.scope)):
+        found = views(graph.float_outputs(scope))
+        if found or recurrent:
+            found = list(dict.fromkeys(recurrent + found))
+            return found[:_MAX_CANDIDATES], None
+    if call.scope not in graph.groups:
+        return None, (
+            "no ONNX node carries its name (folded into a constant, or "
+            "renamed by tf2onnx)"
+        )
+    return None, "no ONNX tensor of its output's shape"
+
+
+def plan(graph, calls, values):
+    """Per call, the ONNX tensors to compare its output with, and the calls
+    with none (and why).
+
+    A Q/DQ tf2onnx renamed (a Transpose moved between its QuantizeLinear
+    and DequantizeLinear, a layer quantizing its own input) has no node
+    of its scope: it is matched with the activation DequantizeLinears of
+    its parent layer that no other Q/DQ took, the best fit chosen.
+    """
+    plan, unmatched, orphans = [], [], []
+    for depth, call in enumerate(calls):
+        tensors, why = _match(graph, call, values[call.output].shape)
+        if tensors is not None:
+            plan.append((depth, call, tensors))
+        elif is_qdq(call.layer):
+            orphans.append((depth, call, why))
+        else:
+            unmatched.append((call.name, why))
+    taken = {tensors[0] for _, _, tensors in plan if len(tensors) == 1}
+    for depth, call, why in orphans:
+        parent = call.scope.rsplit("/", 1)[0]
+        free = [
+            (dq, "")
+            for dq in graph.activation_dqs(parent)
+            if (dq, "") not in taken
+        ]
+        if free:
+            plan.append((depth, call, free))
+        else:
+            unmatched.append((call.name, why))
+    return sorted(plan, key=lambda p: p[0]), unmatched
+
+
+def _is_recurrent(layer):
+    """A recurrent layer (`LSTM`, `GRU`, `SimpleRNN`, a `Bidirectional`):
+    its output may be an output of an ONNX recurrent op."""
+    import keras
+
+    return isinstance(layer, (keras.layers.RNN, keras.layers.Bidirectional))
+
+
+def is_qdq(layer):
+    """A calibrated, enabled `QuantizeActivation`: its output is a Q/DQ."""
+    return (
+        isinstance(layer, QuantizeActivation)
+        and layer.enabled
+        and step(layer) > 0
+    )
+
+
+def step(quantizer):
+    """One quantization step of a `QuantizeActivation` (0 uncalibrated)."""
+    return float(quantizer.amax.numpy()) / quantizer.format.qmax
