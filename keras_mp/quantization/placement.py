@@ -45,11 +45,12 @@ COMMUTING_OPS = frozenset({"MaxPool", "GlobalMaxPool"})
 SCALE_COMMUTING_OPS = frozenset({"Concat"})
 FUSED_OPS = frozenset({"AveragePool", "GlobalAveragePool"})
 # Ops that only move, pick or repeat values (ONNX op types; the layout ops
-# are a subset; Gather: a DLRM's upper triangle of its interactions). A DQ that reaches a Q or a weighted op across them is not
-# wasted even where it does not commute (a Concat of inputs with different
-# scales): DQ -> op -> Q runs as one INT8 op ("non-weighted layers that
-# have INT8 inputs also require INT8 outputs"), so the producer before the
-# DQ writes INT8. The lint follows them for `output_qdq` and `residual_add`.
+# are a subset; Gather: a DLRM's upper triangle of its interactions). A DQ
+# that reaches a Q or a weighted op across them is not wasted even where it
+# does not commute (a Concat of inputs with different scales): DQ -> op -> Q
+# runs as one INT8 op ("non-weighted layers that have INT8 inputs also
+# require INT8 outputs"), so the producer before the DQ writes INT8. The
+# lint follows them for `output_qdq` and `residual_add`.
 DATA_MOVEMENT_OPS = frozenset(
     "Concat Split Slice Pad Resize Transpose Reshape Tile Identity Squeeze "
     "Unsqueeze Flatten Gather".split()
