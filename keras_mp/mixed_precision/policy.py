@@ -185,6 +185,31 @@ def _dtype_for(layer, policy, outputs):
     return policy_map
 
 
+# Layers that build their sublayers from the config of the layer they
+# wrap, dtype included: the wrapped layer's config gets the dtype.
+_WRAPPERS = (keras.layers.Wrapper, keras.layers.Bidirectional)
+
+
+def _wrapped_dtypes(layer, config, dtype):
+    """Gives the configs of the layers `layer` wraps (TimeDistributed's
+    `layer`, Bidirectional's `layer` and `backward_layer`) `dtype`, or
+    float32 for a sensitive one, as its own config has."""
+    if not isinstance(layer, _WRAPPERS) or not isinstance(dtype, str):
+        return
+    inner = {"layer": getattr(layer, "layer", None)}
+    if isinstance(layer, keras.layers.Bidirectional):
+        inner = {
+            "layer": layer.forward_layer,
+            "backward_layer": layer.backward_layer,
+        }
+    for key, sub in inner.items():
+        sub_config = config.get(key)
+        if sub is None or not isinstance(sub_config, dict):
+            continue
+        keep = layer_table.keeps_float32(sub)
+        sub_config["config"]["dtype"] = "float32" if keep else dtype
+
+
 def _rebuild(layer, policy, outputs):
     """`layer` rebuilt from its config under `policy`. keras-hub layers pass
     their `dtype` to their sublayers; a layer whose code does not is copied
@@ -196,6 +221,7 @@ def _rebuild(layer, policy, outputs):
         return layer.__class__.from_config(config)
     config = keras.saving.serialize_keras_object(layer)
     config["config"]["dtype"] = _dtype_for(layer, policy, outputs)
+    _wrapped_dtypes(layer, config["config"], config["config"]["dtype"])
     try:
         new = keras.saving.deserialize_keras_object(config, safe_mode=False)
     except Exception as e:  # any from_config can fail its own way

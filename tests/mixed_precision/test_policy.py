@@ -248,3 +248,38 @@ def test_custom_layer_that_does_not_pass_dtype_is_named(tmp_path):
     assert mixed.get_layer("stem").compute_dtype == "float16"
     assert mixed.get_layer("block").compute_dtype == "float32"
     _round_trip(mixed, tmp_path, np.ones((2, 6), "float32"))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: keras.layers.Bidirectional(keras.layers.LSTM(6)),
+        lambda: keras.layers.Bidirectional(
+            keras.layers.GRU(6),
+            backward_layer=keras.layers.GRU(6, go_backwards=True),
+        ),
+        lambda: keras.layers.TimeDistributed(keras.layers.Dense(4)),
+    ],
+    ids=["bidirectional", "backward_layer", "time_distributed"],
+)
+def test_wrapped_layers_take_the_policy(make, tmp_path):
+    # Bidirectional and TimeDistributed build their sublayers from the
+    # wrapped layer's config: its dtype, not theirs, reached them.
+    model = keras.Sequential(
+        [
+            keras.Input((5, 4)),
+            make(),
+            keras.layers.Flatten(),
+            keras.layers.Dense(3),
+        ]
+    )
+    x = np.random.default_rng(0).random((8, 5, 4), dtype=np.float32)
+    mixed = keras_mp.apply_mixed_precision(model, "mixed_bfloat16")
+    wrapper = mixed.layers[0]
+    inner = [x for x in walk_layers(wrapper) if x is not wrapper]
+    assert inner and all(x.compute_dtype == "bfloat16" for x in inner)
+    assert mixed.layers[-1].compute_dtype == "float32"  # the output layer
+    np.testing.assert_allclose(mixed(x), model(x), atol=0.05)
+    mixed.save(tmp_path / "m.keras")
+    loaded = keras.saving.load_model(tmp_path / "m.keras")
+    np.testing.assert_array_equal(loaded(x), mixed(x))
