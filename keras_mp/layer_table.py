@@ -67,9 +67,12 @@ class LayerRow:
         float32: bool. Mixed precision keeps it in float32.
         separable: bool. Depthwise then pointwise convolution: the
             pointwise input (the depthwise output) gets a Q/DQ of its own.
-        attention: bool. Multi-head attention: its query, key and value
-            projections take inputs quantized once per distinct tensor, and
-            both attention matmuls get Q/DQ on their inputs.
+        attention: bool. An attention layer: its attention matmuls get
+            Q/DQ on their inputs (`QuantizeConfig(attention=False)` keeps
+            them float); with `inputs="all"` (MultiHeadAttention) its query,
+            key and value projections also take inputs quantized once per
+            distinct tensor; with `"none"` its projections, if any, are
+            layers that quantize their own inputs.
         matmul: bool. A matmul of two activations (`Dot`): both inputs get
             a Q/DQ, unless `QuantizeConfig(dot=False)` keeps it float.
     """
