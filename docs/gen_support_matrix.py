@@ -90,6 +90,33 @@ ATTENTION_RUN = (
     "INT8 MatMul: the four projections and both attention matmuls "
     "(TensorRT's fused attention pattern)"
 )
+# Keras' other attention layers: (weights, input Q/DQ, what TensorRT runs).
+ATTENTION_SWITCH = "(`QuantizeConfig(attention=False)` leaves {} float)"
+OTHER_ATTENTION = {
+    keras.layers.GroupQueryAttention: (
+        "its `query`, `key`, `value` and `attention_output` EinsumDense "
+        "sublayers, as EinsumDense",
+        "each projection's own input Q/DQ; the scaled query, the key and "
+        "the value (repeated to the query heads) and the softmax output "
+        "before the two attention matmuls "
+        + ATTENTION_SWITCH.format("those two matmuls"),
+        ATTENTION_RUN,
+    ),
+    keras.layers.Attention: (
+        "- (its optional scalar `scale` stays float)",
+        "the query and the transposed key of the score matmul "
+        '(`score_mode="dot"`; `"concat"` scores have no matmul), the softmax '
+        "output and the value " + ATTENTION_SWITCH.format("both matmuls"),
+        "INT8 MatMul: both attention matmuls (scores, probs @ value)",
+    ),
+    keras.layers.AdditiveAttention: (
+        "- (its `scale` vector stays float)",
+        "the softmax output and the value of `probs @ value` (its scores, "
+        "`sum(tanh(query + key))`, have no matmul) "
+        + ATTENTION_SWITCH.format("that matmul"),
+        "INT8 MatMul: probs @ value",
+    ),
+}
 SEPARABLE_INPUTS = "every input, and the pointwise convolution's input"
 DOT_INPUTS = (
     "both inputs, after the l2-normalization of `normalize=True` "
@@ -130,13 +157,21 @@ def _row(cls):
         spec = spec(SAMPLES[cls]())
         weights_note = f" for `{EINSUM_EQUATION}`; in general: {rule}"
     weights = ATTENTION_WEIGHTS if spec.attention else _weights(spec)
+    inputs = _inputs(name, spec)
     run = "INT8 Conv / MatMul" if spec.weighted else "-"
     if spec.attention:
         run = ATTENTION_RUN
     elif spec.matmul:
         run = DOT_RUN
+    if cls in OTHER_ATTENTION:
+        weights, inputs, run = OTHER_ATTENTION[cls]
+    if not hasattr(keras.layers, name):  # exported under another name
+        public = [
+            n for n in dir(keras.layers) if getattr(keras.layers, n) is cls
+        ]
+        name = f"{public[0]} (class `{name}`)"
     return (
-        f"| {name} | {weights}{weights_note} | {_inputs(name, spec)} | "
+        f"| {name} | {weights}{weights_note} | {inputs} | "
         f"{run} | "
         f"{_sparsity(spec)} | {PERMUTE[spec.permute]} | "
         f"{'float32' if spec.float32 else 'policy'} |"

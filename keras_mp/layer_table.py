@@ -67,9 +67,12 @@ class LayerRow:
         float32: bool. Mixed precision keeps it in float32.
         separable: bool. Depthwise then pointwise convolution: the
             pointwise input (the depthwise output) gets a Q/DQ of its own.
-        attention: bool. Multi-head attention: its query, key and value
-            projections take inputs quantized once per distinct tensor, and
-            both attention matmuls get Q/DQ on their inputs.
+        attention: bool. An attention layer: its attention matmuls get
+            Q/DQ on their inputs (`QuantizeConfig(attention=False)` keeps
+            them float); with `inputs="all"` (MultiHeadAttention) its query,
+            key and value projections also take inputs quantized once per
+            distinct tensor; with `"none"` its projections, if any, are
+            layers that quantize their own inputs.
         matmul: bool. A matmul of two activations (`Dot`): both inputs get
             a Q/DQ, unless `QuantizeConfig(dot=False)` keeps it float.
     """
@@ -146,9 +149,12 @@ _ATTENTION = LayerRow(
     inputs=ALL_INPUTS, quantizable=True, weighted=True, attention=True
 )
 # keras-hub's own attention layers (Gemma, Llama, ...; which ones:
-# `_keras.hub_attention_kind`): their projections are EinsumDense rows that
-# quantize their own inputs; the row places the Q/DQ of both attention
-# matmuls.
+# `_keras.hub_attention_kind`) and Keras' GroupQueryAttention: their
+# projections are EinsumDense rows that quantize their own inputs; the row
+# places the Q/DQ of both attention matmuls. Keras' Attention and
+# AdditiveAttention have no projection: the row places the Q/DQ of their
+# matmuls (AdditiveAttention: probs @ value only). `weighted`: the output
+# comes from a GEMM (Attention's: probs @ value), as the lint sees it.
 _HUB_ATTENTION_ROW = LayerRow(
     inputs=NO_INPUTS, quantizable=True, weighted=True, attention=True
 )
@@ -230,6 +236,9 @@ TABLE = {
     L.Dense: _conv(prune_axis=0),
     L.EinsumDense: _einsum_row,
     L.MultiHeadAttention: _ATTENTION,
+    L.GroupQueryAttention: _HUB_ATTENTION_ROW,
+    L.Attention: _HUB_ATTENTION_ROW,
+    L.AdditiveAttention: _HUB_ATTENTION_ROW,
     L.Add: LayerRow(inputs=SKIP_INPUTS, quantizable=True),
     L.Concatenate: _CONCAT,
     L.Dot: _DOT,
@@ -288,18 +297,21 @@ def row_for(layer):
 def float_attention_note(layer):
     """Why the attention matmuls of float (not quantized) `layer` run in
     float, or "" when it is not an attention layer: a keras-hub attention
-    row left out, or a layer named `...Attention...` with sublayers or
+    row or Keras' GroupQueryAttention, Attention, AdditiveAttention left
+    out, or a layer named `...Attention...` with sublayers or
     weights whose type the table does not know, and no `...Attention...`
     sublayer (a block such as DeBERTaV3's `DisentangledAttentionEncoder`:
     its attention is the sublayer's row)."""
     row = row_for(layer)
     if row is not None:
-        if row is _HUB_ATTENTION_ROW:
-            return (
+        if row.attention and row.inputs == NO_INPUTS:
+            note = (
                 "attention matmuls run in float: not selected, or "
-                "QuantizeConfig(attention=False); its projections are "
-                "listed on their own rows"
+                "QuantizeConfig(attention=False)"
             )
+            if _keras.sublayers(layer):
+                note += "; its projections are listed on their own rows"
+            return note
         return ""
     name = type(layer).__name__
     inner = _keras.sublayers(layer)

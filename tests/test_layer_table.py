@@ -58,6 +58,28 @@ def _attention(shape):
     return keras.Model(inputs, L.Dense(4, name="head")(x))
 
 
+def _grouped_attention(shape):
+    inputs = keras.Input(shape)
+    x = L.GroupQueryAttention(4, 4, 2, name="sample")(inputs, inputs)
+    x = L.GlobalAveragePooling1D()(x)
+    return keras.Model(inputs, L.Dense(4, name="head")(x))
+
+
+def _two_projections(layer):
+    """Query and value projections of one sequence, attended by `layer`
+    (Attention, AdditiveAttention: no projection of their own)."""
+
+    def make(shape):
+        inputs = keras.Input(shape)
+        query = L.Dense(8, name="query")(inputs)
+        value = L.Dense(8, name="value")(inputs)
+        x = layer(name="sample")([query, value])
+        x = L.GlobalAveragePooling1D()(x)
+        return keras.Model(inputs, L.Dense(4, name="head")(x))
+
+    return make
+
+
 def _dot(shape):
     """Two projections of one sequence, their `Dot` over features (a
     batched matmul of two activations, as attention's scores)."""
@@ -129,6 +151,9 @@ SAMPLES = {
         (5, 16),
     ),
     L.MultiHeadAttention: (_attention, (6, 8)),
+    L.GroupQueryAttention: (_grouped_attention, (6, 8)),
+    L.Attention: (_two_projections(L.Attention), (6, 8)),
+    L.AdditiveAttention: (_two_projections(L.AdditiveAttention), (6, 8)),
     L.Add: (_residual, (6, 6, 8)),
     L.Concatenate: (_concat, (6, 6, 8)),
     L.Dot: (_dot, (6, 8)),

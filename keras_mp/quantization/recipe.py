@@ -16,7 +16,13 @@ import keras
 import numpy as np
 
 from keras_mp import _inputs, _keras, _models
-from keras_mp.quantization import attention, hub_attention, placement, twins
+from keras_mp.quantization import (
+    attention,
+    hub_attention,
+    keras_attention,
+    placement,
+    twins,
+)
 from keras_mp.quantization.attention import (
     ATTENTION_MATMUL_INPUTS,
     QuantizedAttention,
@@ -57,13 +63,18 @@ def twin_class(cls):
     """The quantized twin of layer class `cls`: a subclass of it and of
     `QuantizedLayer` (`QuantizedAttention` for attention layers,
     `hub_attention`'s twins for keras-hub's own attention layers,
-    `QuantizedDot` for `keras.layers.Dot`)."""
+    `keras_attention`'s for Keras' other attention layers, `QuantizedDot`
+    for `keras.layers.Dot`)."""
     if issubclass(cls, keras.layers.MultiHeadAttention):
         base = QuantizedAttention
     elif issubclass(cls, keras.layers.Dot):
         base = QuantizedDot
     else:
-        base = hub_attention.twin_base(cls) or QuantizedLayer
+        base = (
+            keras_attention.twin_base(cls)
+            or hub_attention.twin_base(cls)
+            or QuantizedLayer
+        )
     return type(
         f"Quantized{cls.__name__}",
         (base, cls),
@@ -115,10 +126,17 @@ def attach(layer, row, config, inputs, path, calls=1):
                 _activation(config, f"{layer.name}_{name}_input")
                 for name in inputs
             ]
+            # A twin may have more matmul inputs than Keras' attention
+            # (DeBERTaV3's position query and key): it names them.
+            matmul_inputs = getattr(
+                twin_class(type(layer)),
+                "matmul_inputs",
+                ATTENTION_MATMUL_INPUTS,
+            )
             layer.attention_quantizers = (
                 [
                     _activation(config, f"{layer.name}_attention_{name}")
-                    for name in ATTENTION_MATMUL_INPUTS
+                    for name in matmul_inputs
                 ]
                 if config.attention
                 else []

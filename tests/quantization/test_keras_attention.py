@@ -1,0 +1,340 @@
+"""Keras' `GroupQueryAttention`, `Attention` and `AdditiveAttention`: the
+inputs of every matmul of two activations behind Q/DQ in the INT8 export
+(ONNX Runtime parity, lint), ranges kept by a `.keras` round trip, float
+on request with `QuantizeConfig(attention=False)`, causal and padding
+masks; and the copies of Keras' code the twins run
+(`keras_mp._keras_attention`) equal to Keras with identity hooks."""
+
+import keras
+import numpy as np
+import onnx
+import pytest
+
+import keras_mp
+from keras_mp import _keras_attention, _models
+from keras_mp.onnx.graph import GraphIndex
+from keras_mp.quantization.keras_attention import (
+    QuantizedAdditiveAttention,
+    QuantizedDotProductAttention,
+    QuantizedGroupedQueryAttention,
+)
+
+L = keras.layers
+VOCAB, STEPS, DIM = 20, 6, 8
+IDENTITY = dict.fromkeys(("query", "key", "probs", "value"), lambda x: x)
+
+
+def tokens(n=32, seed=0):
+    """int32 ids with trailing padding (id 0) on every other row."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(1, VOCAB, (n, STEPS)).astype("int32")
+    ids[::2, STEPS - 2 :] = 0
+    return ids
+
+
+def _embedded():
+    ids = keras.Input((STEPS,), dtype="int32", name="ids")
+    return ids, L.Embedding(VOCAB, DIM, mask_zero=True, name="embed")(ids)
+
+
+def _head(ids, x, name):
+    x = L.GlobalAveragePooling1D()(x)
+    return keras.Model(ids, L.Dense(4, name="head")(x), name=name)
+
+
+def gqa_model():
+    """Causal, padded self-attention with 4 query heads over 2 key/value
+    heads."""
+    ids, x = _embedded()
+    x = L.GroupQueryAttention(4, 4, 2, name="attention")(
+        x, x, use_causal_mask=True
+    )
+    return _head(ids, x, "gqa")
+
+
+def luong_model():
+    """Scaled dot-product attention of two projections, causal, padded."""
+    ids, x = _embedded()
+    query = L.Dense(DIM, name="query")(x)
+    value = L.Dense(DIM, name="value")(x)
+    x = L.Attention(use_scale=True, name="attention")(
+        [query, value], use_causal_mask=True
+    )
+    return _head(ids, x, "luong")
+
+
+def additive_model():
+    """Additive attention over a distinct query, value and key, padded."""
+    ids, x = _embedded()
+    query, value, key = (L.Dense(DIM, name=n)(x) for n in ("q", "v", "k"))
+    x = L.AdditiveAttention(name="attention")([query, value, key])
+    return _head(ids, x, "additive")
+
+
+# kind -> (builder, twin base, matmuls of two activations in the export)
+KINDS = {
+    "gqa": (gqa_model, QuantizedGroupedQueryAttention, 2),
+    "luong": (luong_model, QuantizedDotProductAttention, 2),
+    "additive": (additive_model, QuantizedAdditiveAttention, 1),
+}
+
+
+def _ranges(model):
+    (layer,) = [x for x in _models.walk_layers(model) if x.name == "attention"]
+    return {
+        k: float(q.amax.numpy()) for k, q in layer.named_quantizers().items()
+    }
+
+
+@pytest.fixture(scope="module", params=list(KINDS))
+def exported(request, tmp_path_factory):
+    """Each model quantized, calibrated and exported INT8 (ONNX Runtime
+    parity checked by the export)."""
+    kind = request.param
+    keras.utils.set_random_seed(0)
+    model = KINDS[kind][0]()
+    qmodel = keras_mp.quantize_model(model)
+    keras_mp.calibrate(qmodel, tokens(), verbose=0)
+    path = str(tmp_path_factory.mktemp(kind) / "model.onnx")
+    parity = keras_mp.export_onnx(qmodel, path, verify_data=tokens(16, 1))
+    return kind, model, qmodel, path, parity
+
+
+def test_every_attention_matmul_is_behind_qdq(exported):
+    kind, model, qmodel, path, parity = exported
+    _, base, pairs = KINDS[kind]
+    assert isinstance(qmodel.get_layer("attention"), base)
+    ranges = _ranges(qmodel)
+    names = ["query", "key", "probs", "value"][4 - 2 * pairs :]
+    assert sorted(ranges) == sorted(f"attention_{n}" for n in names)
+    assert all(a > 0 for a in ranges.values()), ranges
+    graph = GraphIndex(onnx.load(path))
+    matmuls = [op for op in graph.weighted if op.op_type == "MatMul"]
+    activations = [
+        op for op in matmuls if graph.trace(op.input[1]).name is None
+    ]
+    assert len(activations) == pairs
+    float_ops = [
+        graph.name(op)
+        for op in matmuls
+        if graph.quantized_inputs(op) != [True, True]
+    ]
+    assert float_ops == []
+    lint = keras_mp.check_tensorrt(path)
+    assert lint.violations == [], str(lint)
+    assert lint.weighted_ops == lint.weighted_ops_quantized
+    if kind != "gqa":  # gqa: test_gqa_lint_has_no_warnings
+        assert lint.warnings == [], str(lint)
+    assert parity.rel_l2 < 1e-4, str(parity)
+    # The Q/DQ change the outputs: the matmuls read quantized values.
+    x = tokens(16, 1)
+    assert not np.allclose(np.asarray(qmodel(x)), model(x), atol=1e-6)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="tf2onnx's QDQ optimizer moves the key's and value's Q above "
+    "GroupQueryAttention's head repeat (Unsqueeze -> Tile -> Reshape), and "
+    "the lint's output_qdq rule looks for the DQ past layout ops only, not "
+    "Tile (issue 23 item 5); Llama's export shows the same two warnings",
+)
+@pytest.mark.parametrize("exported", ["gqa"], indirect=True)
+def test_gqa_lint_has_no_warnings(exported):
+    _, _, _, path, _ = exported
+    lint = keras_mp.check_tensorrt(path)
+    assert lint.warnings == [], str(lint)
+
+
+def test_round_trip_keeps_ranges_and_outputs(exported, tmp_path):
+    _, _, qmodel, _, _ = exported
+    path = tmp_path / "model.keras"
+    qmodel.save(path)
+    loaded = keras.saving.load_model(path, safe_mode=True)
+    assert _ranges(loaded) == _ranges(qmodel)
+    x = tokens(8, 2)
+    np.testing.assert_array_equal(np.asarray(loaded(x)), np.asarray(qmodel(x)))
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_attention_false_keeps_the_matmuls_float(kind):
+    model = KINDS[kind][0]()
+    model(tokens(2))
+    qmodel = keras_mp.quantize_model(
+        model, config=keras_mp.QuantizeConfig(attention=False)
+    )
+    rows = keras_mp.quantization_report(qmodel, verbose=False)
+    (row,) = [r for r in rows if r["layer"] == "attention"]
+    assert not row["quantized"]
+    assert row["note"].startswith(
+        "attention matmuls run in float: not selected, or "
+        "QuantizeConfig(attention=False)"
+    )
+    # The projections (EinsumDense inside, Dense before) stay quantized.
+    projections = [r for r in rows if r["type"] in ("EinsumDense", "Dense")]
+    assert len(projections) >= 3 and all(r["quantized"] for r in projections)
+
+
+def _flash_gqa(flash):
+    ids, x = _embedded()
+    x = L.GroupQueryAttention(4, 2, 1, flash_attention=flash, name="attention")(
+        x, x
+    )
+    return _head(ids, x, "flash")
+
+
+def test_flash_attention_layer_quantizes_on_the_einsum_path():
+    """A GroupQueryAttention set to flash attention (which Keras' TF
+    backend refuses to run) computes its quantized attention on the einsum
+    path with the Q/DQ hooks, close to the same layer without flash."""
+    keras.utils.set_random_seed(0)
+    model, plain = _flash_gqa(True), _flash_gqa(None)
+    plain.set_weights(model.get_weights())
+    x = tokens(4, 1)
+    with pytest.raises(ValueError, match="Flash attention is not supported"):
+        model(x)
+    qmodel = keras_mp.quantize_model(model)
+    keras_mp.calibrate(qmodel, tokens(), verbose=0)
+    assert all(a > 0 for a in _ranges(qmodel).values())
+    got, want = np.asarray(qmodel(x)), np.asarray(plain(x))
+    assert np.linalg.norm(got - want) < 0.05 * np.linalg.norm(want)
+
+
+@keras.saving.register_keras_serializable(package="test_keras_attention")
+class _DoubledScores(L.Attention):
+    def _calculate_scores(self, query, key):
+        return super()._calculate_scores(query, key) * 2.0
+
+
+def test_subclass_with_its_own_attention_math_is_refused():
+    a, b = keras.Input((STEPS, DIM)), keras.Input((STEPS, DIM))
+    x = _DoubledScores(name="attention")([a, b])
+    model = keras.Model([a, b], L.Dense(4)(x))
+    with pytest.raises(ValueError, match=r"overrides `_calculate_scores`"):
+        keras_mp.quantize_model(model)
+    kept = keras_mp.quantize_model(
+        model, config=keras_mp.QuantizeConfig(attention=False)
+    )
+    assert type(kept.get_layer("attention")) is _DoubledScores
+
+
+# The copies of Keras' code with identity hooks, against Keras itself.
+
+
+class _CopiedGQA(L.GroupQueryAttention):
+    def _compute_attention(
+        self,
+        query,
+        key,
+        value,
+        attention_mask=None,
+        training=None,
+        use_causal_mask=False,
+    ):
+        return _keras_attention.grouped_query_attention(
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
+            training,
+            use_causal_mask,
+            IDENTITY,
+        )
+
+
+class _CopiedLuong(L.Attention):
+    def _calculate_scores(self, query, key):
+        if self.score_mode != "dot":
+            return super()._calculate_scores(query, key)
+        return _keras_attention.dot_product_scores(self, query, key, IDENTITY)
+
+    def _apply_scores(self, scores, value, scores_mask=None, training=False):
+        return _keras_attention.apply_scores(
+            self, scores, value, scores_mask, training, IDENTITY
+        )
+
+
+class _CopiedAdditive(L.AdditiveAttention):
+    def _apply_scores(self, scores, value, scores_mask=None, training=False):
+        return _keras_attention.apply_scores(
+            self, scores, value, scores_mask, training, IDENTITY
+        )
+
+
+def _pair(keras_layer, copied_layer, *build_args):
+    keras_layer.build(*build_args)
+    copied_layer.build(*build_args)
+    copied_layer.set_weights(keras_layer.get_weights())
+    return keras_layer, copied_layer
+
+
+def _sequences(seed=0):
+    rng = np.random.default_rng(seed)
+    q, v, k = (
+        rng.normal(size=(3, STEPS, DIM)).astype("float32") for _ in "qvk"
+    )
+    mask = np.ones((3, STEPS), bool)
+    mask[0, -2:] = False
+    return q, v, k, mask
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_gqa_copy_is_keras(causal):
+    q, v, k, mask = _sequences()
+    shape = (None, STEPS, DIM)
+    keras.utils.set_random_seed(1)
+    layer, copy = _pair(
+        L.GroupQueryAttention(4, 4, 2, dropout=0.1),
+        _CopiedGQA(4, 4, 2, dropout=0.1),
+        shape,
+        shape,
+        shape,
+    )
+    kwargs = dict(value_mask=mask, use_causal_mask=causal, training=False)
+    # Keras' einsum path (dropout set): the same ops, bit for bit.
+    want = layer(q, v, k, return_attention_scores=True, **kwargs)
+    got = copy(q, v, k, return_attention_scores=True, **kwargs)
+    for w, g in zip(want, got):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    # Keras' fused path (dropout 0): the same function.
+    layer.dropout = copy.dropout = 0.0
+    np.testing.assert_allclose(
+        np.asarray(copy(q, v, k, **kwargs)),
+        np.asarray(layer(q, v, k, **kwargs)),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda cls: cls(use_scale=True),
+        lambda cls: cls(score_mode="concat"),
+        "additive",
+    ],
+    ids=["dot", "concat", "additive"],
+)
+@pytest.mark.parametrize("causal", [False, True])
+def test_luong_and_additive_copies_are_keras(make, causal):
+    q, v, k, mask = _sequences(1)
+    if make == "additive":
+        classes = (L.AdditiveAttention, _CopiedAdditive)
+        make = lambda cls: cls()  # noqa: E731
+    else:
+        classes = (L.Attention, _CopiedLuong)
+    shapes = [(None, STEPS, DIM)] * 3
+    keras.utils.set_random_seed(2)
+    layer, copy = _pair(*(make(c) for c in classes), shapes)
+    if layer.weights:  # scales away from their initial ones
+        copy.set_weights([w * 1.5 for w in layer.get_weights()])
+        layer.set_weights(copy.get_weights())
+    kwargs = dict(
+        mask=[mask, mask],
+        use_causal_mask=causal,
+        return_attention_scores=True,
+    )
+    want = layer([q, v, k], **kwargs)
+    got = copy([q, v, k], **kwargs)
+    for w, g in zip(want, got):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
