@@ -27,11 +27,13 @@ class QuantizeConfig:
         learned_range: bool. Train the activation ranges (PACT-style)
             instead of freezing them after calibration. Defaults to False.
         attention: bool. For `keras.layers.MultiHeadAttention` layers (and
-            subclasses such as keras-hub's): Q/DQ on the inputs of both
-            attention matmuls (scaled query and key; softmax output and
-            value). False leaves those two matmuls in float, as ModelOpt
-            does for INT8 above sequence length 512; the projections stay
-            quantized. Defaults to True.
+            subclasses such as keras-hub's), keras-hub's attention layers
+            and Keras' `GroupQueryAttention`, `Attention` and
+            `AdditiveAttention`: Q/DQ on the inputs of the attention
+            matmuls (scaled query and key; softmax output and value).
+            False leaves those matmuls in float, as ModelOpt does for INT8
+            above sequence length 512; the projections stay quantized.
+            Defaults to True.
         dot: bool. For `keras.layers.Dot` layers (a DLRM's feature
             interactions): Q/DQ on both inputs of their matmul of two
             activations, after the l2-normalization of `normalize=True`.

@@ -319,12 +319,7 @@ def test_placement_matches_golden(model_id, signatures):
 # keras_mp's own placement must lint clean: the layer table's conformance
 # samples and the zoo's fast subset (signatures shared with the golden test
 # above, so nothing is exported twice). Known gaps are strict xfails.
-LINT_CLEAN_GAPS = {
-    "layer_table_GroupedQueryAttention": "tf2onnx's QDQ optimizer moves the "
-    "key's and value's Q above the head repeat (Q -> Unsqueeze -> Tile -> "
-    "Reshape -> Transpose -> DQ -> MatMul); the output_qdq rule looks for "
-    "the DQ past layout ops only, not Tile (issue 23 item 5), and warns",
-}
+LINT_CLEAN_GAPS = {}
 
 
 @pytest.mark.parametrize(

@@ -131,13 +131,9 @@ def test_every_attention_matmul_is_behind_qdq(exported):
     assert not np.allclose(np.asarray(qmodel(x)), model(x), atol=1e-6)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="tf2onnx's QDQ optimizer moves the key's and value's Q above "
-    "GroupQueryAttention's head repeat (Unsqueeze -> Tile -> Reshape), and "
-    "the lint's output_qdq rule looks for the DQ past layout ops only, not "
-    "Tile (issue 23 item 5); Llama's export shows the same two warnings",
-)
+# tf2onnx's QDQ optimizer moves the key's and value's Q above the head
+# repeat (Q -> Unsqueeze -> Tile -> Reshape -> Transpose -> DQ -> MatMul):
+# the lint follows the INT8 values to their DQ across Tile.
 @pytest.mark.parametrize("exported", ["gqa"], indirect=True)
 def test_gqa_lint_has_no_warnings(exported):
     _, _, _, path, _ = exported
