@@ -84,12 +84,19 @@ def _layouts(got, want):
 def error(got, want):
     """(max abs, rel L2) with `got` brought to `want`'s layout, the best
     over the layouts that fit (`_layouts`); None when none does."""
+    best = best_layout(got, want)
+    return None if best is None else best[0]
+
+
+def best_layout(got, want):
+    """((max abs, rel L2), `got` in `want`'s layout) for the layout of
+    `got` that fits `want` best (`error`); None when none fits."""
     best = None
     norm = max(float(np.linalg.norm(want)), 1e-12)
     for g in _layouts(got, want):
         diff = np.abs(g.astype(np.float64) - want)
         err = (float(diff.max()), float(np.linalg.norm(diff)) / norm)
-        best = err if best is None or err[1] < best[1] else best
+        best = (err, g) if best is None or err[1] < best[0][1] else best
     return best
 
 
