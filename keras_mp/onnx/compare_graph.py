@@ -84,12 +84,19 @@ def _layouts(got, want):
 def error(got, want):
     """(max abs, rel L2) with `got` brought to `want`'s layout, the best
     over the layouts that fit (`_layouts`); None when none does."""
+    best = best_layout(got, want)
+    return None if best is None else best[0]
+
+
+def best_layout(got, want):
+    """((max abs, rel L2), `got` in `want`'s layout) for the layout of
+    `got` that fits `want` best (`error`); None when none fits."""
     best = None
     norm = max(float(np.linalg.norm(want)), 1e-12)
     for g in _layouts(got, want):
         diff = np.abs(g.astype(np.float64) - want)
         err = (float(diff.max()), float(np.linalg.norm(diff)) / norm)
-        best = err if best is None or err[1] < best[1] else best
+        best = (err, g) if best is None or err[1] < best[0][1] else best
     return best
 
 
@@ -208,6 +215,14 @@ class Graph:
                 dims if t.HasField("shape") else None,
             )
         self.initializers = {i.name for i in proto.graph.initializer}
+        self._scales = _scalar_scales(proto)
+        self._dqs = [
+            n
+            for n in proto.graph.node
+            if n.op_type == "DequantizeLinear"
+            and n.input[0] not in self.initializers
+        ]
+        self._dq_by_output = {n.output[0]: n for n in self._dqs}
         # An `fp16=True` export: float16 between its float32 boundaries.
         self.float16 = any(
             elem == FLOAT16 for elem, _ in self.types.values()
@@ -261,12 +276,49 @@ class Graph:
         ]
 
     def activation_dqs(self, scope):
+        """The activation DequantizeLinears among the scope's nodes."""
         return [
             n.output[0]
             for n in self.groups.get(scope, [])
             if n.op_type == "DequantizeLinear"
             and n.input[0] not in self.initializers
         ]
+
+    def feeding_dqs(self, scope):
+        """The activation DequantizeLinears outside the scope that its
+        nodes read: a Q/DQ tf2onnx merged with an equal one of another
+        consumer of the same tensor, named after that consumer."""
+        own = {id(n) for n in self.groups.get(scope, [])}
+        found = []
+        for node in self.groups.get(scope, []):
+            for name in node.input:
+                producer = self._producer_dq(name)
+                if producer is not None and id(producer) not in own:
+                    found.append(producer.output[0])
+        return list(dict.fromkeys(found))
+
+    def _producer_dq(self, tensor):
+        return self._dq_by_output.get(tensor)
+
+    def dq_scale(self, dq):
+        """(scale, relative precision) of the DequantizeLinear with output
+        `dq` when its scale is one constant, else None."""
+        node = self._dq_by_output.get(dq)
+        return None if node is None else self._scales.get(node.input[1])
+
+
+def _scalar_scales(proto):
+    """(value, relative precision) of each one-value float initializer,
+    by name: the scales a per-tensor DequantizeLinear reads."""
+    from onnx import numpy_helper
+
+    found = {}
+    for init in proto.graph.initializer:
+        if init.data_type not in FLOAT_TYPES or math.prod(init.dims) != 1:
+            continue
+        value = numpy_helper.to_array(init)
+        found[init.name] = (float(value.reshape(())), np.finfo(value.dtype).eps)
+    return found
 
 
 def run(proto, graph, tensors, inputs):

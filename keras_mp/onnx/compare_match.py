@@ -65,7 +65,11 @@ def plan(graph, calls, values):
     A Q/DQ tf2onnx renamed (a Transpose moved between its QuantizeLinear
     and DequantizeLinear, a layer quantizing its own input) has no node
     of its scope: it is matched with the activation DequantizeLinears of
-    its parent layer that no other Q/DQ took, the best fit chosen.
+    its parent layer that no other Q/DQ took, and those outside it that
+    its nodes read (a Q/DQ tf2onnx merged with the equal Q/DQ of another
+    consumer of the same tensor, named after that one), the best fit
+    chosen; only those of the Q/DQ's own scale: another Q/DQ of the
+    layer is not a stand-in.
     """
     plan, unmatched, orphans = [], [], []
     for depth, call in enumerate(calls):
@@ -79,16 +83,35 @@ def plan(graph, calls, values):
     taken = {tensors[0] for _, _, tensors in plan if len(tensors) == 1}
     for depth, call, why in orphans:
         parent = call.scope.rsplit("/", 1)[0]
-        free = [
+        own = [dq for dq in graph.activation_dqs(parent) if dq not in taken]
+        found = [
             (dq, "")
-            for dq in graph.activation_dqs(parent)
-            if (dq, "") not in taken
+            for dq in dict.fromkeys(own + graph.feeding_dqs(parent))
+            if _same_scale(graph.dq_scale(dq), step(call.layer))
         ]
-        if free:
-            plan.append((depth, call, free))
+        if found:
+            plan.append((depth, call, found))
         else:
-            unmatched.append((call.name, why))
+            unmatched.append((call.name, f"{why}; {_NO_DQ}"))
     return sorted(plan, key=lambda p: p[0]), unmatched
+
+
+_NO_DQ = (
+    "no activation DequantizeLinear of its scale in its layer or feeding it"
+)
+
+# A scale stored in the graph's float type differs from the quantizer's
+# `amax / qmax` by its rounding (a few units in the last place).
+_SCALE_ULPS = 8
+
+
+def _same_scale(found, want):
+    """Whether a DequantizeLinear's `(scale, eps)` (None: not a constant,
+    so unknown) can be the scale `want`."""
+    if found is None:
+        return True
+    scale, eps = found
+    return abs(scale - want) <= _SCALE_ULPS * eps * want
 
 
 def _is_recurrent(layer):

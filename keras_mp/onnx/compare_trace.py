@@ -81,11 +81,12 @@ def _walk(model):
 
 
 @contextlib.contextmanager
-def _recording(layers, calls, fetched, skipped, graph):
+def _recording(layers, calls, fetched, skipped, graph, inject):
     """Within the block, each layer's `call` also appends its output (its
     first floating tensor) to `fetched` and a `Call` to `calls`, in the
     order the calls finish (inner layers before the layer holding them);
-    `skipped` gets, by layer id, why a call could not be fetched."""
+    `skipped` gets, by layer id, why a call could not be fetched. A call
+    named in `inject` returns that tensor instead of its output."""
     import keras
     import tensorflow as tf
 
@@ -109,6 +110,8 @@ def _recording(layers, calls, fetched, skipped, graph):
                 return out
             count[id(layer)] = n = count.get(id(layer), 0) + 1
             name = path if n == 1 else f"{path} (call {n})"
+            if name in inject and tf.is_tensor(out):
+                out = floats[0] = tf.cast(inject[name], out.dtype)
             scope = tf.get_current_name_scope()
             # A recurrent layer's states (`return_state=True`) are rows of
             # their own: the ONNX op holds them apart (Y_h, Y_c).
@@ -145,7 +148,7 @@ def _recording(layers, calls, fetched, skipped, graph):
                 object.__setattr__(layer, "call", previous)
 
 
-def trace(model, specs):
+def trace(model, specs, inject=()):
     """Traces `model` as `export_onnx` does, with every reachable layer's
     output made an output of the traced function.
 
@@ -153,6 +156,11 @@ def trace(model, specs):
     names its ops the same way (Keras opens one name scope per layer
     call, and TF uniquifies them in the same order): tf2onnx named the
     ONNX nodes after those ops, which is how a layer finds its tensors.
+
+    `inject`: `(call name, array)` pairs: those calls return an input of
+    the traced function (after the model's inputs, in this order) of the
+    array's shape instead of their output, for `compare_onnx` to feed
+    ONNX Runtime's values of some Q/DQs to the rest of the model.
 
     Returns:
         The traced `tf.function` (its outputs: the fetched tensors), the
@@ -169,13 +177,20 @@ def trace(model, specs):
         tf.TensorSpec((None,) + tuple(s.shape[1:]), s.dtype, name=s.name)
         for s in specs
     ]
+    names = [name for name, _ in inject]
+    signature += [
+        tf.TensorSpec((None,) + value.shape[1:], value.dtype)
+        for _, value in inject
+    ]
 
     @tf.function(input_signature=signature)
-    def run(*inputs):
+    def run(*args):
         fetched = []
         calls.clear()
         graph = tf.compat.v1.get_default_graph()
-        with _recording(layers, calls, fetched, skipped, graph):
+        inputs, injected = args[: len(specs)], args[len(specs) :]
+        fed = dict(zip(names, injected))
+        with _recording(layers, calls, fetched, skipped, graph, fed):
             model(_inputs.call_arg(model, inputs, specs), training=False)
         return fetched
 

@@ -1,0 +1,100 @@
+"""`compare_onnx` on a quantized MultiHeadAttention: a Q/DQ tf2onnx
+merged with another consumer's is compared at the merged one, and
+layers past tolerance only through one-step rounding flips upstream are
+told apart from a real divergence."""
+
+import keras
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+
+import keras_mp
+
+L = keras.layers
+
+
+def _attention_model(recurrent):
+    """Embedding -> GRU (or Dense) -> self-attention -> residual Add ->
+    pooling -> Dense. The Add and the attention both quantize `h`: the
+    export keeps one Q/DQ for the two, named after either."""
+    i = keras.Input((10,), dtype="int32")
+    x = L.Embedding(100, 16, mask_zero=recurrent)(i)
+    h = L.GRU(16, return_sequences=True)(x) if recurrent else L.Dense(16)(x)
+    a = L.MultiHeadAttention(2, 8)(h, h)
+    x = L.GlobalAveragePooling1D()(L.Add()([h, a]))
+    return keras.Model(i, L.Dense(3)(x))
+
+
+def _export(recurrent, tmp_path_factory):
+    keras.utils.set_random_seed(0)
+    x = np.random.default_rng(0).integers(1, 100, (32, 10)).astype("int32")
+    qmodel = keras_mp.quantize_model(_attention_model(recurrent))
+    keras_mp.calibrate(qmodel, x, verbose=0)
+    path = str(tmp_path_factory.mktemp("attention") / "m.onnx")
+    keras_mp.export_onnx(qmodel, path, verify_data=x)
+    return qmodel, path, x[:4]
+
+
+@pytest.fixture(scope="module")
+def masked(tmp_path_factory):
+    """The GRU model, its padding mask reaching the attention."""
+    return _export(True, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def flipping(tmp_path_factory):
+    """The Dense model: on these inputs one attention probability lies on
+    a rounding boundary, and float noise flips it in ONNX Runtime."""
+    return _export(False, tmp_path_factory)
+
+
+def _row(report, suffix):
+    return next(r for r in report.rows if r.name.endswith(suffix))
+
+
+def test_merged_input_qdq_is_compared_at_the_merged_one(masked):
+    qmodel, path, x = masked
+    report = keras_mp.compare_onnx(qmodel, path, x)
+    query = _row(report, "_query_input")
+    add = _row(report, "add_input_0")
+    # one ONNX Q/DQ for both, whichever name tf2onnx kept; never another
+    # Q/DQ of the attention (the attention output's, 108 steps off)
+    assert query.tensor == add.tensor
+    assert "attention_output" not in query.tensor
+    assert query.steps == add.steps == 0
+    assert report.first_divergence is None, str(report)
+    assert not any(r.rounding for r in report.rows)
+
+
+def test_rounding_flips_are_not_a_divergence(flipping):
+    qmodel, path, x = flipping
+    report = keras_mp.compare_onnx(qmodel, path, x)
+    probs = _row(report, "_attention_probs")
+    # the precondition: a one-step flip at the softmax's Q/DQ
+    assert probs.steps == pytest.approx(1.0, abs=1e-3), str(report)
+    output = _row(report, "/attention_output")
+    assert output.rel_l2 > report.max_rel_l2  # past tolerance end to end
+    assert output.rounding and not output.diverged
+    assert report.first_divergence is None
+    assert "only through rounding flips" in str(report)
+    assert "| rounding |" in report.to_markdown()
+
+
+def test_wrong_weight_after_a_flip_still_diverges(flipping, tmp_path):
+    qmodel, path, x = flipping
+    proto = onnx.load(path)
+    scale = next(
+        i
+        for i in proto.graph.initializer
+        if i.name.endswith("attention_output_1/MatMul_weight_scale")
+    )
+    value = numpy_helper.to_array(scale) * 1.5
+    scale.CopyFrom(numpy_helper.from_array(value, scale.name))
+    bad = str(tmp_path / "bad.onnx")
+    onnx.save(proto, bad)
+    report = keras_mp.compare_onnx(qmodel, bad, x)
+    first = report.first_divergence
+    assert first is not None and first.name.endswith("/attention_output")
+    assert not first.rounding
+    assert _row(report, "_attention_probs").steps <= 1.0 + 1e-3
