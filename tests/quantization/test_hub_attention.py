@@ -9,7 +9,7 @@ import onnx
 import pytest
 
 import keras_mp
-from keras_mp import _keras, _models
+from keras_mp import _keras_hub, _models
 from keras_mp.onnx.graph import LAYOUT_OPS, GraphIndex
 from keras_mp.quantization import hub_attention
 
@@ -279,7 +279,7 @@ def test_gemma_reimplementation_is_keras_hub_exactly(cls, options):
     mask[1, :, 3:] = False
     identity = dict.fromkeys(("query", "key", "probs", "value"), lambda x: x)
     want = layer._compute_attention(q, k, v, mask, training=False)
-    got = _keras.gemma_einsum_attention(
+    got = _keras_hub.gemma_einsum_attention(
         layer, q, k, v, mask, False, 0, identity
     )
     np.testing.assert_array_equal(_numpy(got), _numpy(want))
@@ -515,7 +515,9 @@ def test_t5_reimplementation_is_keras_hub_exactly(case):
             "cache_update_index",
         )
     }
-    got = _keras.t5_attention(layer, x, *arguments.values(), False, _identity())
+    got = _keras_hub.t5_attention(
+        layer, x, *arguments.values(), False, _identity()
+    )
     for g, w in zip(got, want):
         if w is None:
             assert g is None
@@ -533,7 +535,7 @@ def test_deberta_reimplementation_is_keras_hub_exactly():
     q, k = (rng.standard_normal((2, 7, 2, 4)).astype("float32") for _ in "qk")
     rel = rng.standard_normal((1, 8, 8)).astype("float32")
     want = layer._compute_disentangled_attention(q, k, rel)
-    got = _keras.deberta_relative_scores(layer, q, k, rel, _identity())
+    got = _keras_hub.deberta_relative_scores(layer, q, k, rel, _identity())
     np.testing.assert_array_equal(_numpy(got), _numpy(want))
 
 
@@ -560,5 +562,5 @@ def test_t5gemma_reimplementation_is_keras_hub_exactly(options):
     mask = np.where(np.tril(np.ones((5, 5), bool)), 0.0, -1e9)
     mask = mask[None, None].astype("float32")
     want = layer._compute_attention_without_fused_op(q, k, v, mask, False)
-    got = _keras.t5gemma_attention(layer, q, k, v, mask, False, _identity())
+    got = _keras_hub.t5gemma_attention(layer, q, k, v, mask, False, _identity())
     np.testing.assert_array_equal(_numpy(got), _numpy(want))
