@@ -23,6 +23,7 @@ SECTIONS = [
     ("zoo", "Model zoo (issue 15)"),
     ("trained_parity", "INT8 parity on trained networks (issue 15)"),
     ("vit", "ViT on Fashion-MNIST (issue 16)"),
+    ("hub", "keras-hub backbones, one row per class (issue 23)"),
 ]
 
 

@@ -193,8 +193,8 @@ def deberta_relative_scores(layer, query, key, rel_embeddings, quantize):
     The same operations in the same order as keras-hub 0.32 (a test checks
     the scores are identical with the hooks the identity). The position
     query and key are the query and key projections of the relative
-    position embeddings; they take the hooks of the content query and key
-    (one range each for a projection's two outputs).
+    position embeddings; they take hooks of their own (their ranges are
+    those of position embeddings, not of the content).
 
     Args:
         layer: the `DisentangledSelfAttention`.
@@ -202,8 +202,8 @@ def deberta_relative_scores(layer, query, key, rel_embeddings, quantize):
             through their hooks.
         rel_embeddings: the relative position embeddings, `(B, 2 * span,
             hidden)`.
-        quantize: dict of callables by `"query"` and `"key"` (applied to
-            the position query and key).
+        quantize: dict of callables by `"position_query"` and
+            `"position_key"`.
 
     Returns:
         The summed relative scores, `(B, N, T, T)`.
@@ -215,8 +215,8 @@ def deberta_relative_scores(layer, query, key, rel_embeddings, quantize):
     rel_pos = layer._get_rel_pos(num_positions)
     span = layer.bucket_size
     shape = (batch_size, layer.num_heads, num_positions, num_positions)
-    pos_query = quantize["query"](layer._query_dense(rel_embeddings))
-    pos_key = quantize["key"](layer._key_dense(rel_embeddings))
+    pos_query = quantize["position_query"](layer._query_dense(rel_embeddings))
+    pos_key = quantize["position_key"](layer._key_dense(rel_embeddings))
 
     c2p = ops.einsum("aecd,abcd->acbe", pos_key, query)
     c2p_pos = ops.broadcast_to(ops.clip(rel_pos + span, 0, span * 2 - 1), shape)

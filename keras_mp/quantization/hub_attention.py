@@ -12,10 +12,12 @@ and with their quantizers off are the float layer exactly. Which classes
 are reached, and how, is `keras_mp._keras_hub.hub_attention_kind`.
 """
 
+import functools
+
 from keras_mp import _keras_hub
 from keras_mp.quantization.attention import (
     ATTENTION_MATMUL_INPUTS,
-    matmul_hooks,
+    _quantize_like,
 )
 from keras_mp.quantization.twins import QuantizedLayer
 
@@ -24,16 +26,19 @@ class _HubAttention(QuantizedLayer):
     """What both keras-hub attention twins share.
 
     State, set by `recipe.attach`: `attention_quantizers`, one
-    `QuantizeActivation` per name of `ATTENTION_MATMUL_INPUTS` (empty with
-    `QuantizeConfig(attention=False)`, which leaves the layer float).
+    `QuantizeActivation` per name of the twin class's `matmul_inputs`
+    (empty with `QuantizeConfig(attention=False)`, which leaves the layer
+    float).
     """
+
+    # The inputs of the layer's activation-by-activation matmuls, one
+    # quantizer (and range) each, in the order of `attention_quantizers`.
+    matmul_inputs = ATTENTION_MATMUL_INPUTS
 
     def named_quantizers(self):
         return {
             f"attention_{name}": q
-            for name, q in zip(
-                ATTENTION_MATMUL_INPUTS, self.attention_quantizers
-            )
+            for name, q in zip(self.matmul_inputs, self.attention_quantizers)
         }
 
     def _quantizing(self):
@@ -41,7 +46,10 @@ class _HubAttention(QuantizedLayer):
 
     def _hooks(self):
         """`{matmul input name: fake-quantize callable}`."""
-        return matmul_hooks(self.attention_quantizers)
+        return {
+            name: functools.partial(_quantize_like, q)
+            for name, q in zip(self.matmul_inputs, self.attention_quantizers)
+        }
 
     def _use_fused_attention_op(self):
         # `ops.dot_product_attention` has no hook between its matmuls.
@@ -134,9 +142,11 @@ class QuantizedDisentangledAttention(QuantizedHookedAttention):
     """The twin of keras-hub's `DisentangledSelfAttention` (DeBERTaV3): the
     content matmuls as `QuantizedHookedAttention`, and Q/DQ on the
     position query and key of its content-to-position and
-    position-to-content matmuls (`_keras_hub.deberta_relative_scores`), which
-    share the content query's and key's ranges: all four activation
-    matmuls read `Q/DQ -> MatMul`."""
+    position-to-content matmuls (`_keras_hub.deberta_relative_scores`),
+    each with a range of its own: all four activation matmuls read
+    `Q/DQ -> MatMul`."""
+
+    matmul_inputs = ATTENTION_MATMUL_INPUTS + ("position_query", "position_key")
 
     def _compute_disentangled_attention(self, query, key, rel_embeddings):
         if not self._quantizing():

@@ -112,10 +112,17 @@ def attach(layer, row, config, inputs, path, calls=1):
                 _activation(config, f"{layer.name}_{name}_input")
                 for name in inputs
             ]
+            # A twin may have more matmul inputs than Keras' attention
+            # (DeBERTaV3's position query and key): it names them.
+            matmul_inputs = getattr(
+                twin_class(type(layer)),
+                "matmul_inputs",
+                ATTENTION_MATMUL_INPUTS,
+            )
             layer.attention_quantizers = (
                 [
                     _activation(config, f"{layer.name}_attention_{name}")
-                    for name in ATTENTION_MATMUL_INPUTS
+                    for name in matmul_inputs
                 ]
                 if config.attention
                 else []
