@@ -50,7 +50,12 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 import hub_models  # noqa: E402
-from _common import RESULTS, markdown_table, write_results  # noqa: E402
+from _common import (  # noqa: E402
+    RESULTS,
+    command_line,
+    markdown_table,
+    write_results,
+)
 from bench_zoo import (  # noqa: E402
     COVERAGE_GOAL,
     MODELOPT_VENV,
@@ -253,6 +258,10 @@ WHY_FLOAT_OTHER = {
     "no layer type (`qwen_moe/qwen_moe_decoder.py`)",
     "Qwen3MoeBackbone": "MoE expert kernels: raw weights of the MoE layer, "
     "no layer type (`qwen3_moe/qwen3_moe_decoder.py`)",
+    "Qwen3_5MoeBackbone": "MoE expert kernels: raw weights of the MoE "
+    "layer, no layer type (`qwen3_5_moe/qwen3_5_moe_decoder.py`)",
+    "MoonshineBackbone": "the rotary embeddings' MatMul of two position-only "
+    "tensors (`moonshine/moonshine_layers.py`)",
     "SmolLMBackbone": "the rotary embedding's MatMul of two position-only "
     "tensors (`smollm3/smollm3_layers.py`)",
     "SmolLM3Backbone": "the rotary embedding's MatMul of two position-only "
@@ -586,10 +595,16 @@ def _merged(last, rows):
 
 def _write(rows, modelopt, merge):
     """Writes results/hub.*; with `merge`, the rows of the file as it is
-    now (another run may be writing it too) beside these."""
-    if merge and os.path.exists(os.path.join(RESULTS, "hub.json")):
-        with open(os.path.join(RESULTS, "hub.json")) as f:
-            rows = _merged(json.load(f)["rows"], rows)
+    now (another run may be writing it too) beside these, and the
+    commands that measured them."""
+    commands = [command_line()]
+    path = os.path.join(RESULTS, "hub.json")
+    if merge and os.path.exists(path):
+        with open(path) as f:
+            last = json.load(f)
+        rows = _merged(last["rows"], rows)
+        before = last.get("commands") or [last["command"]]
+        commands = list(dict.fromkeys(before + commands))
     versions = {
         r["modelopt_versions"] for r in rows if "modelopt_versions" in r
     }
@@ -597,10 +612,19 @@ def _write(rows, modelopt, merge):
         ran = sum("modelopt_qdq_nodes" in r for r in rows)
         modelopt = f"{', '.join(sorted(versions))}; run on {ran} classes"
     totals = summary(rows)
+    text = markdown(rows, totals, modelopt)
+    if len(commands) > 1:
+        shown = ", ".join(f"`{c}`" for c in commands)
+        text = f"Rows measured by {shown}.\n\n{text}"
     write_results(
         "hub",
-        {"rows": rows, "summary": totals, "modelopt": modelopt},
-        markdown(rows, totals, modelopt),
+        {
+            "rows": rows,
+            "summary": totals,
+            "modelopt": modelopt,
+            "commands": commands,
+        },
+        text,
     )
     if "--quick" not in sys.argv:
         render_doc(rows)

@@ -338,6 +338,21 @@ BACKBONES = {
         head_dim=_half,
         layer_types=["full_attention"] * num_layers,
     )(hidden_dim, num_layers),
+    "Qwen3_5MoeBackbone": lambda hidden_dim=32, num_layers=2: (
+        _models().Qwen3_5MoeBackbone(
+            vocabulary_size=VOCAB,
+            num_layers=num_layers,
+            num_query_heads=HEADS,
+            num_key_value_heads=1,
+            head_dim=_half(hidden_dim),
+            hidden_dim=hidden_dim,
+            moe_intermediate_dim=_half(hidden_dim),
+            shared_expert_intermediate_size=_half(hidden_dim),
+            num_experts=4,
+            top_k=2,
+            layer_types=["full_attention"] * num_layers,
+        )
+    ),
     "SmolLMBackbone": _smollm("SmolLMBackbone"),
     "SmolLM3Backbone": _smollm("SmolLM3Backbone"),
     "T5Backbone": _encoder("T5Backbone", key_value_dim=16, dropout=0.0),
@@ -708,7 +723,8 @@ def inputs_for(model, n, seed=0, seq=SEQ):
     `encoder_` / `decoder_` prefix); segment ids are zero; float inputs of
     rank 4 or more are images in [0, 1), the others standard normal.
     Dimensions left None take `seq` (2 * `seq` for a feature encoder's
-    float sequence, 128 * `seq` samples of raw audio).
+    float sequence, 128 * `seq` samples of raw audio, and the padding mask
+    of the same `encoder_` / `decoder_` prefix its length).
     """
     rng = np.random.default_rng(seed)
     vocab = int(
@@ -723,16 +739,20 @@ def inputs_for(model, n, seed=0, seq=SEQ):
         else {t.name: t for t in model.inputs}
     )
     masks = {}
+    times = {}  # the length of a float sequence input, by prefix
     out = {}
-    for name in sorted(specs):
+    for name in sorted(
+        sorted(specs), key=lambda k: "float" not in str(specs[k].dtype)
+    ):
         tensor = specs[name]
         floating = "float" in str(tensor.dtype)
-        fill = seq
-        if floating and len(tensor.shape) == 3:  # features, or raw audio
-            fill = 128 * seq if tensor.shape[-1] == 1 else 2 * seq
-        shape = [n] + [d or fill for d in tensor.shape[1:]]
         prefix = name.split("_")[0]
         prefix = prefix if prefix in ("encoder", "decoder") else ""
+        fill = times.get(prefix, seq)
+        if floating and len(tensor.shape) == 3:  # features, or raw audio
+            fill = 128 * seq if tensor.shape[-1] == 1 else 2 * seq
+            times[prefix] = fill  # its padding mask's length
+        shape = [n] + [d or fill for d in tensor.shape[1:]]
         if floating:
             out[name] = (
                 rng.random(shape, "float32")
