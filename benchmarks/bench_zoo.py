@@ -60,6 +60,10 @@ import numpy as np  # noqa: E402
 import keras_mp  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import hub_models  # noqa: E402
+
 # Where `bench_peers.py --setup` builds ModelOpt's environment.
 MODELOPT_VENV = os.path.join(HERE, ".venv-modelopt")
 
@@ -93,8 +97,8 @@ COVERAGE_GOAL = 0.95
 
 
 # keras-hub BERT-style encoder: vocabulary and sequence length.
-VOCAB = 100
-SEQ = 16
+VOCAB = hub_models.VOCAB
+SEQ = hub_models.SEQ
 
 # The paragraph the results page opens with.
 INTRO = (
@@ -187,35 +191,10 @@ def _nasnet_mobile():
     return keras.Model(base.inputs, keras.layers.Dense(10)(base.outputs[0]))
 
 
-def _keras_hub():
-    try:
-        import keras_hub
-    except ImportError as error:
-        raise ImportError(
-            "The keras-hub rows of the zoo need keras-hub, which is not "
-            "installed: `pip install --no-deps keras-hub` plus absl-py regex "
-            "rich kagglehub kagglesdk sentencepiece tokenizers (its "
-            "tensorflow-text requirement would pull a second TensorFlow), or "
-            "run only the keras.applications rows with `--only NAME ...`."
-        ) from error
-    return keras_hub
-
-
-def _bert_tiny():
-    return _keras_hub().models.BertBackbone(
-        vocabulary_size=VOCAB,
-        num_layers=2,
-        num_heads=2,
-        hidden_dim=32,
-        intermediate_dim=64,
-        max_sequence_length=SEQ,
-    )
-
-
 def _bert_tiny_fixed():
-    # The same backbone with inputs of length `SEQ` (its own are (None,)),
-    # as a fixed-length classifier would feed it.
-    backbone = _bert_tiny()
+    # The BERT row's backbone with inputs of length `SEQ` (its own are
+    # (None,)), as a fixed-length classifier would feed it.
+    backbone = hub_models.BACKBONES["BertBackbone"]()
     inputs = {
         key: keras.Input((SEQ,), dtype="int32", name=key)
         for key in ("token_ids", "segment_ids", "padding_mask")
@@ -223,61 +202,11 @@ def _bert_tiny_fixed():
     return keras.Model(inputs, backbone(inputs))
 
 
-def _vit_tiny():
-    return _keras_hub().models.ViTBackbone(
-        image_shape=(32, 32, 3),
-        patch_size=8,
-        num_layers=2,
-        num_heads=2,
-        hidden_dim=32,
-        mlp_dim=64,
-    )
-
-
 def _lm_token_batch(rng, n):
     """`n` decoder-LM inputs (Gemma, Llama): `token_ids` in [1, `VOCAB`)
     and a `padding_mask` of a random length (2 to `SEQ` tokens) each."""
     batch = _token_batch(rng, n)
     return {k: batch[k] for k in ("token_ids", "padding_mask")}
-
-
-def _decoder_tiny(name, **kwargs):
-    # 2 layers, hidden 32, grouped-query attention (2 query heads sharing 1
-    # key/value head), RMSNorm, gated MLP, rotary embeddings.
-    return getattr(_keras_hub().models, name)(
-        vocabulary_size=VOCAB,
-        num_layers=2,
-        num_query_heads=2,
-        num_key_value_heads=1,
-        hidden_dim=32,
-        intermediate_dim=64,
-        **kwargs,
-    )
-
-
-def _gemma_tiny():
-    # Gemma scales the query before the first attention matmul.
-    return _decoder_tiny("GemmaBackbone", head_dim=16)
-
-
-def _llama_tiny():
-    # Llama scales the scores after it (Mistral, Qwen, Phi-3 and GPT-NeoX
-    # attention share this code path).
-    return _decoder_tiny("LlamaBackbone")
-
-
-def _t5_tiny():
-    # Relative position bias added to the attention scores; encoder and
-    # decoder (self- and cross-attention), 2 layers each, hidden 32.
-    return _keras_hub().models.T5Backbone(
-        vocabulary_size=VOCAB,
-        num_layers=2,
-        num_heads=2,
-        hidden_dim=32,
-        intermediate_dim=64,
-        key_value_dim=16,
-        dropout=0.0,
-    )
 
 
 def _t5_token_batch(rng, n):
@@ -290,35 +219,6 @@ def _t5_token_batch(rng, n):
         "decoder_token_ids": decoder["token_ids"],
         "decoder_padding_mask": decoder["padding_mask"],
     }
-
-
-def _deberta_v3_tiny():
-    # Disentangled attention: content-to-position and position-to-content
-    # scores, two more activation matmuls per layer.
-    return _keras_hub().models.DebertaV3Backbone(
-        vocabulary_size=VOCAB,
-        num_layers=2,
-        num_heads=2,
-        hidden_dim=32,
-        intermediate_dim=64,
-        max_sequence_length=SEQ,
-        bucket_size=8,
-        dropout=0.0,
-    )
-
-
-def _resnet_basic():
-    # keras-hub's ResNet needs 64 filters in its first stage (and so in
-    # the stem, for the basic block's identity shortcut).
-    return _keras_hub().models.ResNetBackbone(
-        input_conv_filters=[64],
-        input_conv_kernel_sizes=[7],
-        stackwise_num_filters=[64, 128],
-        stackwise_num_blocks=[2, 2],
-        stackwise_num_strides=[1, 2],
-        block_type="basic_block",
-        image_shape=(32, 32, 3),
-    )
 
 
 # name -> (builder, maker of `n` inputs from a NumPy generator).
@@ -359,15 +259,35 @@ APPLICATIONS = {
     "VGG16": (_app("VGG16", (32, 32, 3)), _images((32, 32, 3))),
     "Xception": (_app("Xception", (71, 71, 3)), _images((71, 71, 3))),
 }
+# keras-hub rows: the backbones of `hub_models` at its default size (2
+# layers, hidden 32; ResNet of basic blocks, stages of 64 and 128 filters).
+# Gemma scales the query before the first attention matmul, Llama the
+# scores after it; T5 adds a relative position bias to the scores;
+# DeBERTaV3 adds two position matmuls per layer.
 HUB = {
-    "BertBackbone_tiny": (_bert_tiny, _token_batch),
+    "BertBackbone_tiny": (hub_models.BACKBONES["BertBackbone"], _token_batch),
     "BertBackbone_tiny_seq16": (_bert_tiny_fixed, _token_batch),
-    "ViTBackbone_tiny": (_vit_tiny, _images((32, 32, 3))),
-    "ResNetBackbone_basic": (_resnet_basic, _images((32, 32, 3))),
-    "GemmaBackbone_tiny": (_gemma_tiny, _lm_token_batch),
-    "LlamaBackbone_tiny": (_llama_tiny, _lm_token_batch),
-    "T5Backbone_tiny": (_t5_tiny, _t5_token_batch),
-    "DebertaV3Backbone_tiny": (_deberta_v3_tiny, _lm_token_batch),
+    "ViTBackbone_tiny": (
+        hub_models.BACKBONES["ViTBackbone"],
+        _images((32, 32, 3)),
+    ),
+    "ResNetBackbone_basic": (
+        hub_models.BACKBONES["ResNetBackbone"],
+        _images((32, 32, 3)),
+    ),
+    "GemmaBackbone_tiny": (
+        hub_models.BACKBONES["GemmaBackbone"],
+        _lm_token_batch,
+    ),
+    "LlamaBackbone_tiny": (
+        hub_models.BACKBONES["LlamaBackbone"],
+        _lm_token_batch,
+    ),
+    "T5Backbone_tiny": (hub_models.BACKBONES["T5Backbone"], _t5_token_batch),
+    "DebertaV3Backbone_tiny": (
+        hub_models.BACKBONES["DebertaV3Backbone"],
+        _lm_token_batch,
+    ),
 }
 ZOO = {**APPLICATIONS, **HUB}
 # The fast subset: depthwise convolutions and residual Adds (MobileNetV2),
@@ -907,7 +827,7 @@ def main():
     hub_rows = [name for name in names if name in HUB]
     if hub_rows:
         try:
-            _keras_hub()
+            hub_models.keras_hub()
         except ImportError as error:
             parser.error(f"{error} (rows: {', '.join(hub_rows)})")
     rows = []

@@ -24,6 +24,7 @@ SECTIONS = [
     ("trained_parity", "INT8 parity on trained networks (issue 15)"),
     ("vit", "ViT on Fashion-MNIST (issue 16)"),
     ("sequence", "LSTM and GRU on Fashion-MNIST rows (issue 23)"),
+    ("hub", "keras-hub backbones, one row per class (issue 23)"),
 ]
 
 

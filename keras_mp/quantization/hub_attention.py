@@ -9,13 +9,15 @@ as any, each with its own input Q/DQ), and the attention matmuls are
 Q/DQ on the inputs of both matmuls (the query and key; the softmax output
 and the value), force the einsum path over `ops.dot_product_attention`,
 and with their quantizers off are the float layer exactly. Which classes
-are reached, and how, is `keras_mp._keras.hub_attention_kind`.
+are reached, and how, is `keras_mp._keras_hub.hub_attention_kind`.
 """
 
-from keras_mp import _keras
+import functools
+
+from keras_mp import _keras_hub
 from keras_mp.quantization.attention import (
     ATTENTION_MATMUL_INPUTS,
-    matmul_hooks,
+    _quantize_like,
 )
 from keras_mp.quantization.twins import QuantizedLayer
 
@@ -24,16 +26,19 @@ class _HubAttention(QuantizedLayer):
     """What both keras-hub attention twins share.
 
     State, set by `recipe.attach`: `attention_quantizers`, one
-    `QuantizeActivation` per name of `ATTENTION_MATMUL_INPUTS` (empty with
-    `QuantizeConfig(attention=False)`, which leaves the layer float).
+    `QuantizeActivation` per name of the twin class's `matmul_inputs`
+    (empty with `QuantizeConfig(attention=False)`, which leaves the layer
+    float).
     """
+
+    # The inputs of the layer's activation-by-activation matmuls, one
+    # quantizer (and range) each, in the order of `attention_quantizers`.
+    matmul_inputs = ATTENTION_MATMUL_INPUTS
 
     def named_quantizers(self):
         return {
             f"attention_{name}": q
-            for name, q in zip(
-                ATTENTION_MATMUL_INPUTS, self.attention_quantizers
-            )
+            for name, q in zip(self.matmul_inputs, self.attention_quantizers)
         }
 
     def _quantizing(self):
@@ -41,7 +46,10 @@ class _HubAttention(QuantizedLayer):
 
     def _hooks(self):
         """`{matmul input name: fake-quantize callable}`."""
-        return matmul_hooks(self.attention_quantizers)
+        return {
+            name: functools.partial(_quantize_like, q)
+            for name, q in zip(self.matmul_inputs, self.attention_quantizers)
+        }
 
     def _use_fused_attention_op(self):
         # `ops.dot_product_attention` has no hook between its matmuls.
@@ -79,7 +87,7 @@ class QuantizedHookedAttention(_HubAttention):
                 "attention without calling `_masked_softmax`, so its softmax "
                 "output has no Q/DQ: this keras-hub release computes "
                 "attention differently from the one keras_mp was checked "
-                "against (keras_mp/_keras.py). Quantize the model with "
+                "against (keras_mp/_keras_hub.py). Quantize the model with "
                 "`QuantizeConfig(attention=False)` for this layer, and "
                 "report it."
             )
@@ -96,7 +104,7 @@ class QuantizedHookedAttention(_HubAttention):
 class QuantizedGemmaAttention(_HubAttention):
     """The twin of keras-hub's `CachedGemmaAttention` (and Gemma 3's): the
     query is scaled before the first matmul, so the einsum path is
-    reimplemented (`_keras.gemma_einsum_attention`) with the Q/DQ after
+    reimplemented (`_keras_hub.gemma_einsum_attention`) with the Q/DQ after
     the scale multiply: `Mul(scale) -> Q/DQ -> MatMul -> Softmax -> Q/DQ
     -> MatMul`."""
 
@@ -118,7 +126,7 @@ class QuantizedGemmaAttention(_HubAttention):
                 training=training,
                 cache_update_index=cache_update_index,
             )
-        return _keras.gemma_einsum_attention(
+        return _keras_hub.gemma_einsum_attention(
             self,
             q,
             k,
@@ -134,23 +142,25 @@ class QuantizedDisentangledAttention(QuantizedHookedAttention):
     """The twin of keras-hub's `DisentangledSelfAttention` (DeBERTaV3): the
     content matmuls as `QuantizedHookedAttention`, and Q/DQ on the
     position query and key of its content-to-position and
-    position-to-content matmuls (`_keras.deberta_relative_scores`), which
-    share the content query's and key's ranges: all four activation
-    matmuls read `Q/DQ -> MatMul`."""
+    position-to-content matmuls (`_keras_hub.deberta_relative_scores`),
+    each with a range of its own: all four activation matmuls read
+    `Q/DQ -> MatMul`."""
+
+    matmul_inputs = ATTENTION_MATMUL_INPUTS + ("position_query", "position_key")
 
     def _compute_disentangled_attention(self, query, key, rel_embeddings):
         if not self._quantizing():
             return super()._compute_disentangled_attention(
                 query, key, rel_embeddings
             )
-        return _keras.deberta_relative_scores(
+        return _keras_hub.deberta_relative_scores(
             self, query, key, rel_embeddings, self._hooks()
         )
 
 
 class QuantizedT5Attention(_HubAttention):
     """The twin of keras-hub's `T5MultiHeadAttention`: its matmuls are
-    inline in `call`, reimplemented (`_keras.t5_attention`) with Q/DQ on
+    inline in `call`, reimplemented (`_keras_hub.t5_attention`) with Q/DQ on
     both inputs of each; the relative position bias is added to the
     scores in float: `Q/DQ -> MatMul -> Add(bias) -> Softmax -> Q/DQ ->
     MatMul`."""
@@ -175,14 +185,16 @@ class QuantizedT5Attention(_HubAttention):
         )
         if not self._quantizing():
             return super().call(*arguments, training=training)
-        return _keras.t5_attention(self, *arguments, training, self._hooks())
+        return _keras_hub.t5_attention(
+            self, *arguments, training, self._hooks()
+        )
 
 
 class QuantizedT5GemmaAttention(_HubAttention):
     """The twin of keras-hub's `T5GemmaAttention`, `T5Gemma2Attention` and
     `T5Gemma2MergedAttention`: their einsum path applies a `Softmax`
     sublayer in place of `_masked_softmax`, so it is reimplemented
-    (`_keras.t5gemma_attention`) with Q/DQ on both inputs of each matmul:
+    (`_keras_hub.t5gemma_attention`) with Q/DQ on both inputs of each matmul:
     `Q/DQ -> MatMul -> Mul (scale) -> Add (mask) -> Softmax -> Q/DQ ->
     MatMul`."""
 
@@ -193,7 +205,7 @@ class QuantizedT5GemmaAttention(_HubAttention):
             return super()._compute_attention(
                 query_states, key_states, value_states, attention_mask, training
             )
-        return _keras.t5gemma_attention(
+        return _keras_hub.t5gemma_attention(
             self,
             query_states,
             key_states,
@@ -216,4 +228,4 @@ _TWINS = {
 def twin_base(cls):
     """The twin base class for keras-hub attention class `cls`, or None
     for a class keras_mp does not reach."""
-    return _TWINS.get(_keras.hub_attention_kind(cls))
+    return _TWINS.get(_keras_hub.hub_attention_kind(cls))

@@ -13,6 +13,7 @@ import tensorflow as tf
 
 import keras_mp
 from benchmarks.bench_zoo import HUB
+from benchmarks.hub_models import BACKBONES
 from keras_mp import cli
 from tests.quantization.test_keras_hub import bert_classifier
 
@@ -285,16 +286,8 @@ def test_cli_exports_a_saved_keras_hub_bert_from_a_named_npz(tmp_path, capsys):
 
 
 def _deberta():
-    keras_hub = pytest.importorskip("keras_hub")
-    return keras_hub.models.DebertaV3Backbone(
-        vocabulary_size=VOCAB,
-        num_layers=1,
-        num_heads=2,
-        hidden_dim=16,
-        intermediate_dim=32,
-        max_sequence_length=16,
-        bucket_size=4,
-    )
+    pytest.importorskip("keras_hub")
+    return BACKBONES["DebertaV3Backbone"](hidden_dim=16, num_layers=1)
 
 
 def _onnx_names(model, path):

@@ -3,64 +3,42 @@ Q/DQ on both attention matmuls, TensorRT's fused-attention pattern in the
 exported graph, float when asked, and the Gemma reimplementation checked
 against keras-hub's code."""
 
+import functools
+
 import keras
 import numpy as np
 import onnx
 import pytest
 
 import keras_mp
-from keras_mp import _keras, _models
+from benchmarks import hub_models
+from keras_mp import _keras_hub, _models
 from keras_mp.onnx.graph import LAYOUT_OPS, GraphIndex
 from keras_mp.quantization import hub_attention
 
 keras_hub = pytest.importorskip("keras_hub")
 
-M = keras_hub.models
-SEQ, VOCAB = 8, 64
-SMALL = dict(vocabulary_size=VOCAB, num_layers=1, hidden_dim=16)
-HEADS = dict(num_query_heads=2, num_key_value_heads=1, intermediate_dim=32)
-BACKBONES = {
-    "gemma": lambda: M.GemmaBackbone(**SMALL, **HEADS, head_dim=8),
-    "llama": lambda: M.LlamaBackbone(**SMALL, **HEADS),
-    "mistral": lambda: M.MistralBackbone(**SMALL, **HEADS),
-    "mixtral": lambda: M.MixtralBackbone(**SMALL, **HEADS, num_experts=2),
-    "qwen": lambda: M.QwenBackbone(**SMALL, **HEADS),
-    "qwen_moe": lambda: M.QwenMoeBackbone(
-        **SMALL,
-        **HEADS,
-        moe_intermediate_dim=16,
-        shared_expert_intermediate_dim=16,
-        num_experts=4,
-        top_k=2,
-    ),
-    "qwen3": lambda: M.Qwen3Backbone(**SMALL, **HEADS, head_dim=8),
-    "qwen3_moe": lambda: M.Qwen3MoeBackbone(
-        **SMALL, **HEADS, moe_intermediate_dim=16, num_experts=4, top_k=2
-    ),
-    "phi3": lambda: M.Phi3Backbone(**SMALL, **HEADS),
-    "gpt_neo_x": lambda: M.GPTNeoXBackbone(
-        **SMALL, num_heads=2, intermediate_dim=32
-    ),
-    "smollm3": lambda: M.SmolLM3Backbone(
-        **SMALL,
-        intermediate_dim=32,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        attention_bias=False,
-        attention_dropout=0.0,
-        rope_layer_enabled_list=[True],
-        layer_types=["attention"],
-        mlp_bias=False,
-        layer_norm_epsilon=1e-6,
-        max_position_embeddings=SEQ,
-        rope_theta=10000.0,
-        partial_rotary_factor=1.0,
-    ),
+SEQ = 8
+# One layer of hidden 16 each (`benchmarks/hub_models.py`).
+CLASSES = {
+    "gemma": "GemmaBackbone",
+    "llama": "LlamaBackbone",
+    "mistral": "MistralBackbone",
+    "mixtral": "MixtralBackbone",
+    "qwen": "QwenBackbone",
+    "qwen_moe": "QwenMoeBackbone",
+    "qwen3": "Qwen3Backbone",
+    "qwen3_moe": "Qwen3MoeBackbone",
+    "phi3": "Phi3Backbone",
+    "gpt_neo_x": "GPTNeoXBackbone",
+    "smollm3": "SmolLM3Backbone",
     # Its full-attention layers only (the default mixes in gated delta-net
     # linear attention, a recurrence of its own).
-    "qwen3_5": lambda: M.Qwen3_5Backbone(
-        **SMALL, **HEADS, head_dim=8, layer_types=["full_attention"]
-    ),
+    "qwen3_5": "Qwen3_5Backbone",
+}
+BACKBONES = {
+    name: functools.partial(hub_models.BACKBONES[cls], 16, 1)
+    for name, cls in CLASSES.items()
 }
 # How the scale multiply sits in each exported graph: on the query before
 # its Q/DQ (Gemma), or on the scores between the first matmul and the
@@ -73,12 +51,8 @@ SCALE = {"gemma": "before"}
 FLOAT_WEIGHTED = {"mixtral": 2, "qwen_moe": 2, "qwen3_moe": 2, "smollm3": 1}
 
 
-def tokens(n=16, seed=0):
-    rng = np.random.default_rng(seed)
-    lengths = rng.integers(2, SEQ + 1, n)[:, None]
-    mask = (np.arange(SEQ)[None] < lengths).astype("int32")
-    ids = rng.integers(1, VOCAB, (n, SEQ)) * mask
-    return {"token_ids": ids.astype("int32"), "padding_mask": mask}
+def tokens(model, n=16, seed=0):
+    return hub_models.inputs_for(model, n, seed, seq=SEQ)
 
 
 def _attention_twins(model):
@@ -96,7 +70,7 @@ def _numpy(x):
 def _calibrated(name):
     model = BACKBONES[name]()
     qmodel = keras_mp.quantize_model(model)
-    keras_mp.calibrate(qmodel, tokens(), verbose=0)
+    keras_mp.calibrate(qmodel, tokens(model), verbose=0)
     return model, qmodel
 
 
@@ -182,7 +156,7 @@ def _check_export(name, tmp_path):
     model, qmodel = _calibrated(name)
     path = str(tmp_path / f"{name}.onnx")
     # verify_data: ONNX Runtime parity (ParityError past 1e-2 rel L2)
-    keras_mp.export_onnx(qmodel, path, verify_data=tokens(8, seed=1))
+    keras_mp.export_onnx(qmodel, path, verify_data=tokens(model, 8, seed=1))
     lint = keras_mp.check_tensorrt(path)
     assert lint.ok, lint.to_markdown()
     graph = GraphIndex(onnx.load(path))
@@ -199,7 +173,7 @@ def _check_export(name, tmp_path):
     # by 0.06: a one-step rounding difference, amplified), unseeded ones
     # 6e-8.
     parity = keras_mp.verify_onnx(
-        qmodel, path, tokens(8, seed=2), min_top1_agreement=0.0
+        qmodel, path, tokens(model, 8, seed=2), min_top1_agreement=0.0
     )
     assert parity.rel_l2 < 1e-2
     return model, qmodel
@@ -207,7 +181,7 @@ def _check_export(name, tmp_path):
 
 def test_gemma_export_puts_both_attention_matmuls_behind_qdq(tmp_path):
     model, qmodel = _check_export("gemma", tmp_path)
-    data = tokens(8, seed=3)
+    data = tokens(model, 8, seed=3)
     got = _numpy(qmodel(data))
     want = _numpy(model(data))
     assert 0 < np.linalg.norm(got - want) / np.linalg.norm(want) < 0.1
@@ -239,7 +213,7 @@ def test_quantizers_off_give_the_float_backbone(name):
         "attention_value",
     ]
     assert all(a > 0 for a in ranges.values())
-    data = tokens(8, seed=1)
+    data = tokens(model, 8, seed=1)
     assert not np.array_equal(_numpy(qmodel(data)), _numpy(model(data)))
     for layer in _models.walk_layers(qmodel):
         if hasattr(layer, "float_class"):
@@ -279,7 +253,7 @@ def test_gemma_reimplementation_is_keras_hub_exactly(cls, options):
     mask[1, :, 3:] = False
     identity = dict.fromkeys(("query", "key", "probs", "value"), lambda x: x)
     want = layer._compute_attention(q, k, v, mask, training=False)
-    got = _keras.gemma_einsum_attention(
+    got = _keras_hub.gemma_einsum_attention(
         layer, q, k, v, mask, False, 0, identity
     )
     np.testing.assert_array_equal(_numpy(got), _numpy(want))
@@ -324,59 +298,20 @@ def test_an_unsupported_attention_layer_is_named_in_the_report():
 # bias to the scores, DeBERTaV3 adds content-to-position and
 # position-to-content scores (two more activation matmuls).
 RELATIVE = {
-    "t5": lambda: M.T5Backbone(
-        vocabulary_size=VOCAB,
-        num_layers=2,
-        num_heads=2,
-        hidden_dim=16,
-        intermediate_dim=32,
-        key_value_dim=8,
-        dropout=0.0,
+    "t5": functools.partial(hub_models.BACKBONES["T5Backbone"], 16, 2),
+    "deberta_v3": functools.partial(
+        hub_models.BACKBONES["DebertaV3Backbone"], 16, 2
     ),
-    "deberta_v3": lambda: M.DebertaV3Backbone(
-        vocabulary_size=VOCAB,
-        num_layers=2,
-        num_heads=2,
-        hidden_dim=16,
-        intermediate_dim=32,
-        max_sequence_length=SEQ,
-        bucket_size=4,
-        dropout=0.0,
+    # A Gemma subclass with its own attention code: scale and additive
+    # mask on the scores, a Softmax sublayer.
+    "t5gemma": functools.partial(
+        hub_models.BACKBONES["T5GemmaBackbone"], 16, 1
     ),
 }
 # Softmax -> MatMul chains: T5 (and T5Gemma) encoder self-attention,
 # decoder self- and cross-attention per layer; DeBERTaV3 self-attention
 # per layer.
 CHAINS = {"t5": 6, "deberta_v3": 2, "t5gemma": 3}
-T5GEMMA_STACK = dict(
-    hidden_dim=16,
-    intermediate_dim=32,
-    num_layers=1,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=8,
-    layer_types=["full_attention"],
-)
-# A Gemma subclass with its own attention code: scale and additive mask
-# on the scores, a Softmax sublayer.
-RELATIVE["t5gemma"] = lambda: M.T5GemmaBackbone(
-    vocabulary_size=VOCAB,
-    **{f"encoder_{k}": v for k, v in T5GEMMA_STACK.items()},
-    **{f"decoder_{k}": v for k, v in T5GEMMA_STACK.items()},
-)
-
-
-def relative_tokens(name, n=16, seed=0):
-    data = tokens(n, seed)
-    if name == "deberta_v3":
-        return data
-    decoder = tokens(n, seed + 100)
-    return {
-        "encoder_token_ids": data["token_ids"],
-        "encoder_padding_mask": data["padding_mask"],
-        "decoder_token_ids": decoder["token_ids"],
-        "decoder_padding_mask": decoder["padding_mask"],
-    }
 
 
 def _outputs(model, data):
@@ -390,7 +325,10 @@ def _outputs(model, data):
     scope="module",
     params=[
         "deberta_v3",
-        "t5",
+        # keras-hub's T5 takes ~12 s a build (its layers trace in graph
+        # mode), three builds here; the fast T5 tests are the layer's in
+        # test_keras_hub.py and test_t5_reimplementation_is_keras_hub_exactly
+        pytest.param("t5", marks=pytest.mark.slow),
         pytest.param("t5gemma", marks=pytest.mark.slow),
     ],
 )
@@ -400,14 +338,12 @@ def relative(request, tmp_path_factory):
     directory = tmp_path_factory.mktemp(name)
     model = RELATIVE[name]()
     qmodel = keras_mp.quantize_model(model)
-    keras_mp.calibrate(qmodel, relative_tokens(name), verbose=0)
+    keras_mp.calibrate(qmodel, tokens(model), verbose=0)
     qmodel.save(directory / "q.keras")
     loaded = keras.saving.load_model(directory / "q.keras", safe_mode=True)
     path = str(directory / f"{name}.onnx")
     # verify_data: ONNX Runtime parity (ParityError past 1e-2 rel L2)
-    keras_mp.export_onnx(
-        qmodel, path, verify_data=relative_tokens(name, 8, seed=1)
-    )
+    keras_mp.export_onnx(qmodel, path, verify_data=tokens(model, 8, seed=1))
     return name, model, qmodel, loaded, path
 
 
@@ -415,7 +351,10 @@ def test_relative_attention_twins_round_trip(relative):
     name, model, qmodel, loaded, _ = relative
     twins = _attention_twins(qmodel)
     assert len(twins) == CHAINS[name]
-    assert all(len(t.attention_quantizers) == 4 for t in twins)
+    # 4; DeBERTaV3's twin names 6, its position query and key too
+    assert all(
+        len(t.attention_quantizers) == len(t.matmul_inputs) >= 4 for t in twins
+    )
     assert all(
         float(q.amax.numpy()) > 0
         for t in twins
@@ -423,7 +362,7 @@ def test_relative_attention_twins_round_trip(relative):
     )
     rows = keras_mp.quantization_report(qmodel, verbose=False)
     assert not [r for r in rows if r["note"].startswith("attention matmuls")]
-    data = relative_tokens(name, 8, seed=3)
+    data = tokens(model, 8, seed=3)
     got, want = _outputs(qmodel, data), _outputs(model, data)
     for key, value in want.items():
         error = np.linalg.norm(got[key] - value) / np.linalg.norm(value)
@@ -431,10 +370,34 @@ def test_relative_attention_twins_round_trip(relative):
     assert len(_attention_twins(loaded)) == CHAINS[name]
     for key, value in _outputs(loaded, data).items():
         np.testing.assert_array_equal(value, got[key])
+    for twin, reloaded in zip(twins, _attention_twins(loaded)):
+        assert _ranges(reloaded) == _ranges(twin)
+
+
+def _ranges(twin):
+    return {
+        k: float(q.amax.numpy()) for k, q in twin.named_quantizers().items()
+    }
+
+
+def test_deberta_position_query_and_key_have_ranges_of_their_own(relative):
+    # Calibrated on the relative position embeddings' projections, not on
+    # the content's: the position query and key get quantizers of their own.
+    name, _, qmodel, _, _ = relative
+    if name != "deberta_v3":
+        pytest.skip("DeBERTaV3 only: the other twins have no position term")
+    for twin in _attention_twins(qmodel):
+        ranges = _ranges(twin)
+        assert list(ranges)[4:] == [
+            "attention_position_query",
+            "attention_position_key",
+        ]
+        assert ranges["attention_position_query"] != ranges["attention_query"]
+        assert ranges["attention_position_key"] != ranges["attention_key"]
 
 
 def test_relative_attention_export_puts_every_matmul_behind_qdq(relative):
-    name, _, qmodel, _, path = relative
+    name, model, qmodel, _, path = relative
     lint = keras_mp.check_tensorrt(path)
     assert lint.ok, lint.to_markdown()
     # counted as benchmarks/bench_zoo.py counts: every Conv/MatMul/Gemm,
@@ -454,14 +417,15 @@ def test_relative_attention_export_puts_every_matmul_behind_qdq(relative):
     parity = keras_mp.verify_onnx(
         qmodel,
         path,
-        relative_tokens(name, 8, seed=2),
+        tokens(model, 8, seed=2),
         min_top1_agreement=0.0,
     )
     assert parity.rel_l2 < 1e-2
 
 
 def _identity():
-    return dict.fromkeys(("query", "key", "probs", "value"), lambda x: x)
+    names = ("query", "key", "probs", "value", "position_query", "position_key")
+    return dict.fromkeys(names, lambda x: x)
 
 
 T5_CALLS = {
@@ -515,7 +479,9 @@ def test_t5_reimplementation_is_keras_hub_exactly(case):
             "cache_update_index",
         )
     }
-    got = _keras.t5_attention(layer, x, *arguments.values(), False, _identity())
+    got = _keras_hub.t5_attention(
+        layer, x, *arguments.values(), False, _identity()
+    )
     for g, w in zip(got, want):
         if w is None:
             assert g is None
@@ -533,7 +499,7 @@ def test_deberta_reimplementation_is_keras_hub_exactly():
     q, k = (rng.standard_normal((2, 7, 2, 4)).astype("float32") for _ in "qk")
     rel = rng.standard_normal((1, 8, 8)).astype("float32")
     want = layer._compute_disentangled_attention(q, k, rel)
-    got = _keras.deberta_relative_scores(layer, q, k, rel, _identity())
+    got = _keras_hub.deberta_relative_scores(layer, q, k, rel, _identity())
     np.testing.assert_array_equal(_numpy(got), _numpy(want))
 
 
@@ -560,5 +526,5 @@ def test_t5gemma_reimplementation_is_keras_hub_exactly(options):
     mask = np.where(np.tril(np.ones((5, 5), bool)), 0.0, -1e9)
     mask = mask[None, None].astype("float32")
     want = layer._compute_attention_without_fused_op(q, k, v, mask, False)
-    got = _keras.t5gemma_attention(layer, q, k, v, mask, False, _identity())
+    got = _keras_hub.t5gemma_attention(layer, q, k, v, mask, False, _identity())
     np.testing.assert_array_equal(_numpy(got), _numpy(want))

@@ -8,9 +8,11 @@ import onnx
 import pytest
 
 import keras_mp
+from benchmarks.hub_models import BACKBONES, inputs_for
 from keras_mp import _models
 from keras_mp.onnx.graph import GraphIndex
-from keras_mp.quantization import twins
+from keras_mp.quantization import hub_attention, twins
+from keras_mp.quantization.attention import ATTENTION_MATMUL_INPUTS
 from tests.quantization.test_nested import _fused_attention_chains
 
 keras_hub = pytest.importorskip("keras_hub")
@@ -21,28 +23,14 @@ INPUTS = ("token_ids", "segment_ids", "padding_mask")
 
 
 def bert_classifier():
-    backbone = keras_hub.models.BertBackbone(
-        vocabulary_size=100,
-        num_layers=2,
-        num_heads=2,
-        hidden_dim=32,
-        intermediate_dim=64,
-        max_sequence_length=16,
-    )
+    backbone = BACKBONES["BertBackbone"]()
     inputs = {k: keras.Input((16,), dtype="int32", name=k) for k in INPUTS}
     pooled = backbone(inputs)["pooled_output"]
     return keras.Model(inputs, L.Dense(2, name="head")(pooled), name="bert")
 
 
 def vit():
-    return keras_hub.models.ViTBackbone(
-        image_shape=(32, 32, 3),
-        patch_size=8,
-        num_layers=2,
-        num_heads=2,
-        hidden_dim=32,
-        mlp_dim=64,
-    )
+    return BACKBONES["ViTBackbone"]()
 
 
 def tokens(n=32, seed=0):
@@ -181,9 +169,7 @@ def test_random_vit_export_parity(tmp_path):
 def test_bare_bert_backbone_with_dynamic_sequence_length(tmp_path):
     # The backbone's own inputs are (None,): tf2onnx computes the attention
     # output kernel's Reshape from the kernel's Shape at run time.
-    from benchmarks.bench_zoo import _bert_tiny
-
-    qmodel = keras_mp.quantize_model(_bert_tiny())
+    qmodel = keras_mp.quantize_model(BACKBONES["BertBackbone"]())
     keras_mp.calibrate(qmodel, tokens(), verbose=0)
     path = str(tmp_path / "bert.onnx")
     keras_mp.export_onnx(qmodel, path, verify_data=tokens(8, seed=1))
@@ -212,3 +198,104 @@ def test_cached_attention_gets_the_attention_qdq(tmp_path):
     qmodel.save(path)
     loaded = keras.saving.load_model(path, safe_mode=True)
     np.testing.assert_array_equal(loaded(x), got)
+
+
+# One backbone per distinct way keras_mp reaches attention matmuls
+# (docs/keras_hub.md): keras-hub's CachedMultiHeadAttention inside a
+# backbone (GPT-2), the "hooks" kind (Llama; Mistral, Qwen, Phi-3, ...
+# share it), Gemma, T5, DeBERTaV3, T5Gemma. Keras' MultiHeadAttention is
+# BERT and ViT above. Hidden 16, one layer: quantize and calibrate only;
+# their exports are in test_hub_attention.py and benchmarks/bench_hub.py.
+ATTENTION_KINDS = {
+    "GPT2Backbone": "CachedMultiHeadAttention",
+    "LlamaBackbone": "LlamaAttention",
+    "GemmaBackbone": "CachedGemmaAttention",
+    "T5Backbone": "T5MultiHeadAttention",
+    "DebertaV3Backbone": "DisentangledSelfAttention",
+    "T5GemmaBackbone": "T5GemmaAttention",
+}
+# keras-hub's T5 backbone takes ~12 s to build (its layers trace in graph
+# mode), twice per test: the layer alone is the fast test below.
+SLOW_KINDS = {"T5Backbone"}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=pytest.mark.slow) if n in SLOW_KINDS else n
+        for n in sorted(ATTENTION_KINDS)
+    ],
+)
+def test_every_attention_kind_gets_matmul_qdq(name):
+    model = BACKBONES[name](hidden_dim=16, num_layers=1)
+    qmodel = keras_mp.quantize_model(model)
+    layers = [
+        layer
+        for layer in _models.walk_layers(qmodel)
+        if type(layer).__name__ == f"Quantized{ATTENTION_KINDS[name]}"
+    ]
+    assert layers and all(twins.is_quantized(a) for a in layers)
+    for layer in layers:  # DeBERTaV3: 6, its position query and key too
+        names = getattr(layer, "matmul_inputs", ATTENTION_MATMUL_INPUTS)
+        assert len(layer.attention_quantizers) == len(names) >= 4
+    hub = [a for a in layers if isinstance(a, hub_attention._HubAttention)]
+    assert bool(hub) == (name != "GPT2Backbone")
+    report = keras_mp.calibrate(qmodel, inputs_for(model, 16), verbose=0)
+    probs = [k for k in report.ranges if k.endswith("attention_probs")]
+    assert len(probs) == len(layers)
+    assert all(a > 0 for a in report.ranges.values())
+    rows = keras_mp.quantization_report(qmodel, verbose=False)
+    assert not [r for r in rows if r["note"].startswith("attention matmuls")]
+    data = inputs_for(model, 4, seed=1)
+    got = keras.tree.flatten(qmodel(data))
+    want = keras.tree.flatten(model(data))
+    for g, w in zip(got, want):
+        g, w = np.asarray(g), np.asarray(w)
+        assert 0 < np.linalg.norm(g - w) / np.linalg.norm(w) < 0.1
+
+
+@keras.saving.register_keras_serializable(package="keras_mp_tests")
+class T5SelfAttention(keras.layers.Layer):
+    """keras-hub's T5 encoder self-attention alone (its call also returns
+    the position bias and a None cache, which a Functional model cannot
+    take as outputs)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        t5 = keras_hub.src.models.t5.t5_multi_head_attention
+        self.attention = t5.T5MultiHeadAttention(
+            is_decoder=False,
+            hidden_dim=16,
+            key_value_dim=8,
+            num_heads=2,
+            dropout=0.0,
+            use_relative_attention_bias=True,
+            name="t5",
+        )
+
+    def call(self, x):
+        return self.attention(x)[0]
+
+
+def test_t5_attention_layer_gets_matmul_qdq(tmp_path):
+    # The fast counterpart of the T5 backbone case above: one encoder
+    # self-attention with its relative position bias.
+    inputs = keras.Input((8, 16))
+    model = keras.Model(inputs, T5SelfAttention(name="block")(inputs))
+    qmodel = keras_mp.quantize_model(model)
+    twins_found = [
+        layer
+        for layer in _models.walk_layers(qmodel)
+        if isinstance(layer, hub_attention.QuantizedT5Attention)
+    ]
+    assert len(twins_found) == 1
+    x = np.random.default_rng(0).standard_normal((16, 8, 16), "float32")
+    report = keras_mp.calibrate(qmodel, x, verbose=0)
+    probs = [k for k in report.ranges if k.endswith("attention_probs")]
+    assert len(probs) == 1 and all(a > 0 for a in report.ranges.values())
+    got = np.asarray(qmodel(x))
+    want = np.asarray(model(x))
+    assert 0 < np.linalg.norm(got - want) / np.linalg.norm(want) < 0.1
+    qmodel.save(tmp_path / "t5.keras")
+    loaded = keras.saving.load_model(tmp_path / "t5.keras", safe_mode=True)
+    np.testing.assert_array_equal(np.asarray(loaded(x)), got)
