@@ -11,6 +11,7 @@ in `SAMPLES` of `tests/test_layer_table.py`.
 """
 
 import dataclasses
+import inspect
 import math
 
 import keras
@@ -281,12 +282,28 @@ TABLE = {
 FLOAT32_ACTIVATIONS = ("softmax", "log_softmax")
 
 
+def _called_as_attention(cls):
+    """Whether a `MultiHeadAttention` subclass is called with `query` and
+    `value` as Keras' is (keras-hub's CachedMultiHeadAttention is; XLNet's
+    TwoStreamRelativeAttention takes content and query streams): the
+    quantized twin binds its call to those names."""
+    float_class = getattr(cls, "float_class", None) or cls
+    parameters = inspect.signature(float_class.call).parameters
+    return "query" in parameters and "value" in parameters
+
+
 def row_for(layer):
     """The `LayerRow` of `layer`'s type (its closest listed base class), or
-    None when the table does not know the type."""
+    None when the table does not know the type (a MultiHeadAttention
+    subclass with a call of its own making: its projections are
+    EinsumDense rows, its attention matmuls stay float)."""
     for cls in type(layer).__mro__:
         row = TABLE.get(cls)
         if row is not None:
+            if cls is L.MultiHeadAttention and not _called_as_attention(
+                type(layer)
+            ):
+                return None
             return row(layer) if callable(row) else row
     float_class = getattr(type(layer), "float_class", None) or type(layer)
     if _keras.hub_attention_kind(float_class):
@@ -318,6 +335,11 @@ def float_attention_note(layer):
     holds = inner or _keras.own_variables(layer)
     if any("Attention" in type(sub).__name__ for sub in inner):
         return ""
+    if isinstance(layer, L.MultiHeadAttention):
+        return (
+            f"attention matmuls run in float: {name} not supported (a "
+            "MultiHeadAttention called without `query`/`value`)"
+        )
     if "Attention" in name and holds:
         return f"attention matmuls run in float: {name} not supported"
     return ""

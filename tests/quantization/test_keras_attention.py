@@ -334,3 +334,30 @@ def test_luong_and_additive_copies_are_keras(make, causal):
     got = copy([q, v, k], **kwargs)
     for w, g in zip(want, got):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+@keras.saving.register_keras_serializable("keras_mp_tests")
+class _TwoStream(L.MultiHeadAttention):
+    """A MultiHeadAttention subclass called its own way (as XLNet's
+    TwoStreamRelativeAttention): no `query`/`value` arguments."""
+
+    def build(self, content_shape, stream_shape):
+        super().build(stream_shape, content_shape)
+
+    def call(self, content, stream):
+        return super().call(stream, content)
+
+
+def test_attention_subclass_with_its_own_call_keeps_float_attention():
+    inputs = keras.Input((6, 8))
+    x = _TwoStream(2, 4, name="two_stream")(inputs, inputs)
+    model = keras.Model(inputs, L.Dense(3)(L.GlobalAveragePooling1D()(x)))
+    x = np.random.default_rng(0).random((16, 6, 8), dtype=np.float32)
+    qmodel = keras_mp.quantize_model(model)
+    keras_mp.calibrate(qmodel, x, verbose=0)  # raised TypeError before
+    rows = {r["path"]: r for r in keras_mp.quantization_report(qmodel)}
+    assert not rows["two_stream"]["quantized"]
+    assert "not supported" in rows["two_stream"]["note"]
+    # its projections are EinsumDense rows of their own
+    assert rows["two_stream/query"]["quantized"]
+    np.testing.assert_allclose(qmodel(x), model(x), atol=0.05)
