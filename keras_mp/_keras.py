@@ -18,7 +18,6 @@ from keras.src.saving.keras_saveable import KerasSaveable
 
 # keras-hub's attention classes: `keras_mp._keras_hub`; `layer_table` still
 # reads this one name here.
-from keras_mp._keras_hub import hub_attention_kind  # noqa: F401
 
 # Keras (major, minor) releases whose internals match what is used here.
 VERIFIED_KERAS = ((3, 3), (3, 15))

@@ -16,7 +16,7 @@ import math
 
 import keras
 
-from keras_mp import _keras
+from keras_mp import _keras, _keras_hub
 
 L = keras.layers
 
@@ -150,7 +150,7 @@ _ATTENTION = LayerRow(
     inputs=ALL_INPUTS, quantizable=True, weighted=True, attention=True
 )
 # keras-hub's own attention layers (Gemma, Llama, ...; which ones:
-# `_keras.hub_attention_kind`) and Keras' GroupQueryAttention: their
+# `_keras_hub.hub_attention_kind`) and Keras' GroupQueryAttention: their
 # projections are EinsumDense rows that quantize their own inputs; the row
 # places the Q/DQ of both attention matmuls. Keras' Attention and
 # AdditiveAttention have no projection: the row places the Q/DQ of their
@@ -306,7 +306,7 @@ def row_for(layer):
                 return None
             return row(layer) if callable(row) else row
     float_class = getattr(type(layer), "float_class", None) or type(layer)
-    if _keras.hub_attention_kind(float_class):
+    if _keras_hub.hub_attention_kind(float_class):
         return _HUB_ATTENTION_ROW
     return None
 
