@@ -228,6 +228,12 @@ def render():
         "column says which types keep float32 under a mixed policy; the "
         "others compute in the policy's dtype.",
         "",
+        "keras-hub's own attention layers (Gemma, Llama, T5, DeBERTaV3, "
+        "...) and each keras-hub backbone class, with its coverage and "
+        "what stays float and why, are in [keras-hub](keras_hub.md); "
+        "recurrent layers (LSTM, GRU, SimpleRNN) stay float, everything "
+        "around them INT8 ([export](export.md)).",
+        "",
         "| Keras layer | INT8 weights | input Q/DQ | TensorRT runs it as | "
         "2:4 sparsity | channel permutation | mixed precision |",
         "|---|---|---|---|---|---|---|",
