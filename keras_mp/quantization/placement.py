@@ -177,6 +177,7 @@ def decide(walked, choices, calls):
         choices: `{walk index: QuantizeConfig}` of the selected layers.
         calls: `{id(layer): [attention sources or None, ...]}`, one entry
             per call a probe run saw (empty when the model could not run).
+            A selected layer the probe saw no call of gets no quantizer.
 
     Returns:
         `[(walk index, inputs, number of calls)]` of the layers that get a
@@ -191,10 +192,15 @@ def decide(walked, choices, calls):
             projections.update(
                 id(p) for p in _keras.attention_projections(layer) if p
             )
-    decided, shared = [], []
+    decided, shared, unused = [], [], []
     for index, config in sorted(choices.items()):
         layer, _ = walked[index]
         row = quantizable_row(layer)
+        if calls and not calls.get(id(layer)):
+            # built but never called (DepthAnything's first fusion stage
+            # has no residual): no tensor to calibrate, nothing in a graph
+            unused.append(layer.name)
+            continue
         count = max(1, len(calls.get(id(layer), ())))
         if row.attention:
             inputs = (
@@ -219,6 +225,14 @@ def decide(walked, choices, calls):
             f"{', '.join(shared)}. Each gets one input Q/DQ whose range "
             "covers all its calls (one scale for every call); "
             "`quantization_report` marks them shared.",
+            stacklevel=5,
+        )
+    if unused:
+        warnings.warn(
+            f"Layers the model did not call when run on zeros stay float "
+            f"(no data would calibrate them): {', '.join(unused[:8])}"
+            f"{f' and {len(unused) - 8} more' if len(unused) > 8 else ''}. "
+            "A layer the model calls only on other inputs stays float too.",
             stacklevel=5,
         )
     return decided

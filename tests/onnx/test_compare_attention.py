@@ -21,8 +21,10 @@ def _attention_model(recurrent):
     i = keras.Input((10,), dtype="int32")
     x = L.Embedding(100, 16, mask_zero=recurrent)(i)
     h = L.GRU(16, return_sequences=True)(x) if recurrent else L.Dense(16)(x)
-    a = L.MultiHeadAttention(2, 8)(h, h)
-    x = L.GlobalAveragePooling1D()(L.Add()([h, a]))
+    a = L.MultiHeadAttention(2, 8, name="attention")(h, h)
+    # named: the test reads rows by name, and Keras numbers unnamed layers
+    # after what the process built before
+    x = L.GlobalAveragePooling1D()(L.Add(name="add")([h, a]))
     return keras.Model(i, L.Dense(3)(x))
 
 

@@ -484,3 +484,39 @@ def test_attention_without_probe_gets_one_qdq_per_input():
     assert attention.input_names == ["query", "value", "key"]
     report = keras_mp.calibrate(qmodel, x, verbose=0)
     assert all(amax > 0 for amax in report.ranges.values())  # none unused
+
+
+@keras.saving.register_keras_serializable("keras_mp_tests")
+class _FusionStage(L.Layer):
+    """DepthAnything's fusion stage: `spare` is built, but only called
+    with a residual, which the first stage never gets."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.used = L.Dense(8, name="used")
+        self.spare = L.Dense(8, name="spare")
+
+    def build(self, shape):
+        self.used.build(shape)
+        self.spare.build(shape)
+
+    def call(self, x, residual=None):
+        if residual is not None:
+            x = x + self.spare(residual)
+        return self.used(x)
+
+
+def test_a_layer_the_model_never_calls_stays_float(tmp_path):
+    inputs = keras.Input((8,))
+    model = keras.Model(inputs, L.Dense(2)(_FusionStage()(inputs)))
+    x = np.random.default_rng(0).random((16, 8), dtype=np.float32)
+    with pytest.warns(UserWarning, match="did not call.*: spare"):
+        qmodel = keras_mp.quantize_model(model)
+    keras_mp.calibrate(qmodel, x, verbose=0)
+    report = keras_mp.quantization_report(qmodel)
+    quantized = {r["layer"]: r["quantized"] for r in report}
+    assert quantized["used"] and not quantized["spare"]
+    # nothing uncalibrated left: the export (which refuses a range of 0)
+    # goes through
+    parity = keras_mp.export_onnx(qmodel, tmp_path / "q.onnx", verify_data=x)
+    assert parity.rel_l2 < 1e-4
