@@ -284,17 +284,29 @@ def _ort_errors(model, onnx_path, what):
         if not type(e).__module__.startswith("onnxruntime"):
             raise
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        if "ShapeInferenceError" in first:
+            why = (
+                "The shapes tf2onnx wrote do not fit together at the node "
+                "named above (the float export of the same model fails the "
+                "same way when the cause is tf2onnx's conversion, as "
+                "keras-hub's tiny DepthAnythingBackbone in bench_hub). Try "
+                "the float model first; fixed input sizes (a model built "
+                "for the size it will run at) often avoid it."
+            )
+        else:
+            why = (
+                "Its CPU provider rejects an operator or a mix of element "
+                "types in the graph (for example float16 meeting bfloat16: "
+                "a layer left computing in 16 bits, which `keras_mp."
+                "mixed_precision_audit(model)` lists). Export the float32 "
+                "model (or `fp16=True` for float16)."
+            )
         raise ExportError(
             f"ONNX Runtime could not {what} the ONNX graph of model "
             f"{model.name!r} ({onnx_path}) for the parity check: "
-            f"{type(e).__name__}: {first}. Its CPU provider rejects an "
-            "operator or a mix of element types in the graph (for example "
-            "float16 meeting bfloat16: a layer "
-            "left computing in 16 bits, which `keras_mp."
-            "mixed_precision_audit(model)` lists). Export the float32 model "
-            "(or `fp16=True` for float16), or export without `verify_data` "
-            "to write the file and inspect the node named above; report it "
-            "with the model if it is a keras_mp export."
+            f"{type(e).__name__}: {first}. {why} Or export without "
+            "`verify_data` to write the file and inspect the node named "
+            "above; report it with the model if it is a keras_mp export."
         ) from e
 
 
