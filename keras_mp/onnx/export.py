@@ -3,6 +3,7 @@ atomically and checked against Keras; `docs/export.md` explains each step.
 """
 
 import os
+import re
 
 import numpy as np
 
@@ -104,7 +105,22 @@ def _trace(model):
             for o in flat_outputs(out)
         ]
 
-    serve.get_concrete_function()
+    try:
+        serve.get_concrete_function()
+    except TypeError as e:
+        dynamic = [s.name for s in specs if None in s.shape[1:]]
+        if not dynamic or "cannot be interpreted as an integer" not in str(e):
+            raise
+        where = re.search(r"when calling (\S+)\(\)", str(e))
+        raise ExportError(
+            f"Tracing model {model.name!r} failed"
+            f"{f' in {where.group(1)}()' if where else ''}: its code needs "
+            "a fixed size (a Python loop over a dimension, for example the "
+            f"sequence length) that input(s) {', '.join(dynamic)} leave "
+            "dynamic (None). Export a model built for the size it will run "
+            "at: `keras.Model(inputs, model(inputs))` with `inputs` "
+            "`keras.Input` of fixed shapes. Nothing was written."
+        ) from e
     serve.output_names = names
     return serve
 

@@ -371,3 +371,36 @@ def test_fewer_than_8_bits_is_refused_and_writes_nothing(tmp_path):
     ):
         keras_mp.export_onnx(qmodel, path)
     assert os.listdir(tmp_path) == []
+
+
+@keras.saving.register_keras_serializable("keras_mp_tests")
+class _StepLoop(keras.layers.Layer):
+    """A Python loop over the sequence length, as keras-hub's RWKV7
+    time mixing: it needs a fixed length to trace."""
+
+    def call(self, x):
+        total = 0.0
+        for t in range(keras.ops.shape(x)[1]):
+            total = total + x[:, t]
+        return total
+
+    def compute_output_shape(self, shape):
+        return (shape[0], shape[2])
+
+
+def test_dynamic_length_a_layer_needs_fixed_gets_a_clear_error(tmp_path):
+    x = np.random.default_rng(0).random((4, 5, 3), dtype=np.float32)
+    inputs = keras.Input((None, 3), name="steps")
+    model = keras.Model(inputs, _StepLoop()(inputs))
+    path = tmp_path / "m.onnx"
+    with pytest.raises(
+        keras_mp.ExportError,
+        match=r"_StepLoop.call\(\).*fixed size.*steps.*dynamic \(None\)"
+        r".*keras.Input. of fixed shapes. Nothing was written",
+    ):
+        keras_mp.export_onnx(model, path, verify_data=x)
+    assert not path.exists() and not list(tmp_path.iterdir())
+    # what the error says to do
+    fixed = keras.Input((5, 3), name="steps")
+    keras_mp.export_onnx(keras.Model(fixed, model(fixed)), path, verify_data=x)
+    assert path.exists()
