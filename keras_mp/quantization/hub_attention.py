@@ -12,44 +12,16 @@ and with their quantizers off are the float layer exactly. Which classes
 are reached, and how, is `keras_mp._keras_hub.hub_attention_kind`.
 """
 
-import functools
-
 from keras_mp import _keras_hub
 from keras_mp.quantization.attention import (
     ATTENTION_MATMUL_INPUTS,
-    _quantize_like,
+    MatmulAttention,
 )
-from keras_mp.quantization.twins import QuantizedLayer
 
 
-class _HubAttention(QuantizedLayer):
-    """What both keras-hub attention twins share.
-
-    State, set by `recipe.attach`: `attention_quantizers`, one
-    `QuantizeActivation` per name of the twin class's `matmul_inputs`
-    (empty with `QuantizeConfig(attention=False)`, which leaves the layer
-    float).
-    """
-
-    # The inputs of the layer's activation-by-activation matmuls, one
-    # quantizer (and range) each, in the order of `attention_quantizers`.
-    matmul_inputs = ATTENTION_MATMUL_INPUTS
-
-    def named_quantizers(self):
-        return {
-            f"attention_{name}": q
-            for name, q in zip(self.matmul_inputs, self.attention_quantizers)
-        }
-
-    def _quantizing(self):
-        return bool(self.attention_quantizers) and self.enabled
-
-    def _hooks(self):
-        """`{matmul input name: fake-quantize callable}`."""
-        return {
-            name: functools.partial(_quantize_like, q)
-            for name, q in zip(self.matmul_inputs, self.attention_quantizers)
-        }
+class _HubAttention(MatmulAttention):
+    """What the keras-hub attention twins share: the einsum path while
+    quantizing."""
 
     def _use_fused_attention_op(self):
         # `ops.dot_product_attention` has no hook between its matmuls.

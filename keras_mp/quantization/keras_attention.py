@@ -15,56 +15,16 @@ The code around the matmuls is copied from Keras with hooks
 (`keras_mp._keras_attention`).
 """
 
-import functools
-
 import keras
 
 from keras_mp import _keras_attention
-from keras_mp.quantization.attention import (
-    ATTENTION_MATMUL_INPUTS,
-    _quantize_like,
-)
-from keras_mp.quantization.twins import QuantizedLayer
+from keras_mp.quantization.attention import MatmulAttention
 
 # The inputs of the one matmul of AdditiveAttention: softmax output, value.
 PROBS_VALUE = ("probs", "value")
 
 
-class _MatmulAttention(QuantizedLayer):
-    """What the twins of this module share.
-
-    State, set by `recipe.attach`: `attention_quantizers`, one
-    `QuantizeActivation` per name of the class's `matmul_inputs`.
-    """
-
-    # The inputs of the layer's matmuls of two activations, one quantizer
-    # (and range) each, in the order of `attention_quantizers`.
-    matmul_inputs = ATTENTION_MATMUL_INPUTS
-
-    def used_matmul_inputs(self):
-        """The names of `matmul_inputs` this layer's settings compute."""
-        return self.matmul_inputs
-
-    def named_quantizers(self):
-        used = self.used_matmul_inputs()
-        return {
-            f"attention_{name}": q
-            for name, q in zip(self.matmul_inputs, self.attention_quantizers)
-            if name in used
-        }
-
-    def _quantizing(self):
-        return bool(self.attention_quantizers) and self.enabled
-
-    def _hooks(self):
-        """`{matmul input name: fake-quantize callable}`."""
-        return {
-            name: functools.partial(_quantize_like, q)
-            for name, q in zip(self.matmul_inputs, self.attention_quantizers)
-        }
-
-
-class QuantizedGroupedQueryAttention(_MatmulAttention):
+class QuantizedGroupedQueryAttention(MatmulAttention):
     """The twin of a `keras.layers.GroupedQueryAttention`: Q/DQ on the
     scaled query, the key and the value (repeated to the query heads) and
     the softmax output (after dropout), on the einsum path (never
@@ -101,7 +61,7 @@ class QuantizedGroupedQueryAttention(_MatmulAttention):
         )
 
 
-class QuantizedDotProductAttention(_MatmulAttention):
+class QuantizedDotProductAttention(MatmulAttention):
     """The twin of a `keras.layers.Attention`: Q/DQ on the query and the
     transposed key of its score matmul (`score_mode="dot"`; `"concat"`
     scores have none), then on the softmax output (after dropout) and the
