@@ -251,4 +251,51 @@ def function_to_onnx(serve, model, opset, inputs_as_nchw=None):
     if nodes:
         _raise_unconvertible(nodes, model)
     _warn_failed_optimizers(records, model)
+    _exact_resize_scales(proto)
     return proto
+
+
+def _exact_resize_scales(proto):
+    """Makes each constant Resize scale give the size TensorFlow asked for.
+
+    tf2onnx turns a resize to a constant size (`nh`, `nw`) of a known input
+    size (`h`, `w`) into float32 scales `nh / h`; ONNX (ONNX Runtime,
+    TensorRT) sizes the output `floor(h * scale)`, which rounds to one row
+    less when the float32 product falls below `nh` (5 * float32(9 / 5) =
+    8.99999: keras-hub's DepthAnythingBackbone then adds a 9x9 and an 8x8
+    map). The scale is raised by float32 ulps until the product reaches
+    `round(h * scale)`; the sampling positions move by ~1e-7 relative.
+    """
+    onnx = optional_import("onnx")
+    numpy_helper = optional_import("onnx.numpy_helper")
+    resizes = [n for n, _, _ in walk(proto.graph) if n.op_type == "Resize"]
+    scaled = [n for n in resizes if len(n.input) >= 3 and n.input[2]]
+    if not scaled:
+        return
+    inits = {i.name: i for i in proto.graph.initializer}
+    try:
+        inferred = onnx.shape_inference.infer_shapes(proto).graph
+    except Exception:  # shape inference is a nicety here: leave as is
+        return
+    dims = {
+        v.name: [d.dim_value if d.HasField("dim_value") else 0
+                 for d in v.type.tensor_type.shape.dim]
+        for v in [*inferred.value_info, *inferred.input]
+    }
+    for node in scaled:
+        shape, init = dims.get(node.input[0]), inits.get(node.input[2])
+        if not shape or init is None:
+            continue
+        scales = numpy_helper.to_array(init).astype(np.float32)
+        if scales.shape != (len(shape),):
+            continue
+        fixed = scales.copy()
+        for i, (size, scale) in enumerate(zip(shape, scales)):
+            if size <= 0:
+                continue
+            target = np.round(np.float64(size) * np.float64(scale))
+            while np.floor(np.float64(size) * np.float64(fixed[i])) < target:
+                fixed[i] = np.nextafter(fixed[i], np.float32(np.inf))
+        if not np.array_equal(fixed, scales):
+            name = init.name
+            init.CopyFrom(numpy_helper.from_array(fixed, name))

@@ -223,3 +223,26 @@ def test_op_names_map_to_keras_layers():
         "gelu_dense"
     ]
     assert keras_layers_of("Identity", model) == []
+
+
+def test_resize_to_an_uneven_size_keeps_its_size(tmp_path):
+    """tf2onnx writes the float32 scale 9 / 5 for a 5 -> 9 resize, and
+    ONNX's shape inference sizes that 8 (keras-hub's DepthAnythingBackbone
+    then failed to load in ONNX Runtime): the export raises the scale to
+    the float32 that gives 9 everywhere."""
+    inputs = keras.Input((5, 5, 2))
+    small = keras.layers.Conv2D(2, 1)(inputs)
+    big = keras.layers.Conv2D(2, 1)(keras.layers.Resizing(9, 9)(inputs))
+    added = keras.layers.Add()([big, keras.layers.Resizing(9, 9)(small)])
+    model = keras.Model(inputs, added)
+    path = str(tmp_path / "resize.onnx")
+    x = np.random.default_rng(0).random((2, 5, 5, 2), np.float32)
+    keras_mp.export_onnx(model, path, verify_data=x)
+    inferred = onnx.shape_inference.infer_shapes(onnx.load(path)).graph
+    sizes = {
+        v.name: [d.dim_value for d in v.type.tensor_type.shape.dim]
+        for v in inferred.value_info
+    }
+    resized = [n.output[0] for n in inferred.node if n.op_type == "Resize"]
+    assert len(resized) == 2
+    assert all(sizes[name][-2:] == [9, 9] for name in resized), sizes
