@@ -14,6 +14,7 @@ from keras_mp.io import atomic_path
 from keras_mp.onnx import fp16 as onnx_fp16
 from keras_mp.onnx.convert import function_to_onnx
 from keras_mp.onnx.errors import ExportError
+from keras_mp.onnx import retype
 from keras_mp.onnx.fold import fold_weight_qdq
 from keras_mp.onnx.parity import (
     check_parity,
@@ -23,6 +24,7 @@ from keras_mp.onnx.parity import (
 )
 from keras_mp.onnx.twin import float32_twin, half_compute_dtype
 from keras_mp.quantization.calibrate import activation_quantizers
+from keras_mp.quantization.formats import onnx_trace
 from keras_mp.quantization.twins import quantizers as quantizers_of
 
 # tf2onnx 1.17 converts up to opset 18; later opsets go through ONNX's
@@ -156,7 +158,8 @@ def export_onnx(
         model: a called `keras.Model`.
         path: str. The `.onnx` file to write.
         opset: int. ONNX opset, >= 13 (per-channel Q/DQ). Defaults to 17,
-            or 19 with `fp16=True`.
+            or 19 with `fp16=True` or FP8 quantizers (FP8 Q/DQ need 19: an
+            explicit lower opset is an error).
         inputs_as_nchw: list of input names to expose as NCHW. Defaults to
             None (NHWC, as the Keras model).
         verify_data: what the model takes (one array; a list, or a dict by
@@ -206,6 +209,7 @@ def export_onnx(
     """
     optional_import("tf2onnx")
     onnx = optional_import("onnx")
+    opset_given = opset is not None
     if opset is None:
         opset = onnx_fp16.MIN_OPSET if fp16 else 17
     if not isinstance(opset, int) or opset < 13:
@@ -234,8 +238,28 @@ def export_onnx(
         verify_data = verify_inputs(model, verify_data)
     traced = float32_twin(model) if half_compute_dtype(model) else model
     serve = _trace(traced)
+    needed = retype.min_opset(traced)
+    if needed > opset:
+        if opset_given:
+            raise ExportError(
+                f"Model {model.name!r} has FP8 quantizers, whose Q/DQ need "
+                f"opset >= {needed}. Received: opset={opset}. Pass "
+                f"opset={needed} or leave it out. Nothing was written."
+            )
+        warnings.warn(
+            f"Model {model.name!r} has FP8 quantizers: exported at opset "
+            f"{needed} (FP8 Q/DQ need it) instead of {opset}.",
+            stacklevel=2,
+        )
+        opset = needed
+    exported = serve
+    if needed:
+        # a second trace in which FP8 quantizers write carriers tf2onnx
+        # converts; `serve` (the real FP8 rounding) stays for parity
+        with onnx_trace():
+            exported = _trace(traced)
     proto = function_to_onnx(
-        serve,
+        exported,
         model,
         opset=min(opset, _TF2ONNX_MAX_OPSET),
         inputs_as_nchw=inputs_as_nchw,
@@ -244,6 +268,9 @@ def export_onnx(
         max_rel_l2 = 0.05 if fp16 else 0.01
     if min_top1_agreement is None:
         min_top1_agreement = 0.99 if fp16 else 0.999
+    if needed:  # FP8 Q/DQ exist from opset 19: retype, then fold
+        proto = onnx_fp16.convert_version(proto, opset)
+        retype.retype_carriers(proto, traced)
     proto = fold_weight_qdq(proto)
     proto = onnx_fp16.convert_version(proto, opset)
     if fp16:

@@ -162,34 +162,35 @@ def fold_weight_qdq(model_proto):
         except ValueError:  # a shape that is neither constant nor static
             continue
         weight_axis = output_channel_axis(node, 1, values.ndim) % values.ndim
+        fmt = _format(dq, index)
         if scale.size > 1:
             if values.shape[weight_axis] != scale.size:
                 continue  # not per-channel on the output axis: leave it
             shape = [1] * values.ndim
             shape[weight_axis] = -1
-            new_codes = np.rint(values / scale.reshape(shape))
-            if not np.array_equal(new_codes * scale.reshape(shape), values):
+            new_codes = fmt.encode(values / scale.reshape(shape))
+            back = new_codes.astype(np.float32) * scale.reshape(shape)
+            if not np.array_equal(back, values):
                 continue  # channels laid out in another order: leave it
         else:
-            new_codes = np.rint(values / scale)
+            new_codes = fmt.encode(values / scale)
         base = f"{node.name}_weight"
+        codes_name = f"{base}_{fmt.name}"
         graph.initializer.extend(
             [
-                numpy_helper.from_array(
-                    new_codes.astype(np.int8), f"{base}_int8"
-                ),
+                numpy_helper.from_array(new_codes, codes_name),
                 numpy_helper.from_array(
                     scale.astype(np.float32), f"{base}_scale"
                 ),
                 numpy_helper.from_array(
-                    np.zeros(scale.shape, np.int8), f"{base}_zero_point"
+                    np.zeros(scale.shape, fmt.storage), f"{base}_zero_point"
                 ),
             ]
         )
         attrs = {"axis": weight_axis} if scale.size > 1 else {}
         new_dq = onnx.helper.make_node(
             "DequantizeLinear",
-            [f"{base}_int8", f"{base}_scale", f"{base}_zero_point"],
+            [codes_name, f"{base}_scale", f"{base}_zero_point"],
             [f"{base}_dq"],
             name=f"{base}_DequantizeLinear",
             **attrs,
@@ -237,7 +238,8 @@ def _dq_constants(dq, index):
         values = index.const(q.input[0])
         if values is not None:
             codes = _keras_codes(
-                values, index.const(q.input[1]), attr(q, "axis", 1)
+                values, index.const(q.input[1]), attr(q, "axis", 1),
+                _format(q, index),
             )
             try:
                 for op in reversed(layout):
@@ -265,18 +267,30 @@ def _quantize(values, scale, axis):
     return np.clip(np.rint(values / scale), -128, 127).astype(np.int8)
 
 
-def _keras_codes(values, scale, axis):
-    """The INT8 codes Keras' weight quantizer gave `values`, bit for bit.
+def _format(qdq, index):
+    """The `NumberFormat` row of a Q/DQ, read from its zero point's type
+    (int8 without a zero point, ONNX's default)."""
+    from keras_mp.quantization.formats import FORMATS, format_of_onnx_type
 
-    TF's `QuantizeAndDequantizeV3` (narrow range, range `amax` given)
-    rounds `clip(w, -amax, amax) * float32(127 / amax)` half to even, in
-    float32; ONNX's QuantizeLinear rounds `w / scale` with `scale =
-    float32(amax / 127)` (all tf2onnx keeps), which picks the other code at
-    some ties. So `amax` is recovered from the scale and TF's product is
-    rounded.
+    dtype = index.dtypes.get(qdq.input[2]) if len(qdq.input) > 2 else None
+    return format_of_onnx_type(dtype) if dtype else FORMATS["int8"]
+
+
+def _keras_codes(values, scale, axis, fmt=None):
+    """The codes Keras' weight quantizer gave `values`, bit for bit.
+
+    For int8, TF's `QuantizeAndDequantizeV3` (narrow range, range `amax`
+    given) rounds `clip(w, -amax, amax) * float32(127 / amax)` half to
+    even, in float32; ONNX's QuantizeLinear rounds `w / scale` with `scale
+    = float32(amax / 127)` (all tf2onnx keeps), which picks the other code
+    at some ties. So `amax` is recovered from the scale and TF's product is
+    rounded. A float format's Keras quantizer computes ONNX's `w / scale`
+    itself (`formats._float_qdq`).
     """
     values = np.asarray(values, np.float32)
     scale = _broadcast_scale(np.asarray(scale, np.float32), values.ndim, axis)
+    if fmt is not None and fmt.kind != "int":
+        return fmt.encode(values / scale)
     amax = _amax(values, scale)
     with np.errstate(divide="ignore", invalid="ignore"):
         codes = np.rint(np.clip(values, -amax, amax) * (np.float32(127) / amax))

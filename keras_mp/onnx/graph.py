@@ -11,6 +11,10 @@ from keras_mp._compat import optional_import
 # ONNX element types (onnx.TensorProto values, fixed by the ONNX spec);
 # spelled out so this module imports without onnx installed.
 FLOAT, UINT8, INT8, INT32, INT64 = 1, 2, 3, 6, 7
+FLOAT8E4M3FN = 17
+# The Q/DQ element types TensorRT builds: the `onnx_type` of the
+# `keras_mp.quantization.FORMATS` rows it runs (INT8, FP8 E4M3).
+TENSORRT_QDQ_TYPES = frozenset({INT8, FLOAT8E4M3FN})
 
 QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
 # Input slots holding a weight, and the bias slot, of each weighted op.

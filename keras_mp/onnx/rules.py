@@ -12,10 +12,11 @@ import numpy as np
 from keras_mp._compat import optional_import
 from keras_mp.onnx.graph import (
     BIAS_SLOT,
-    INT8,
+    FLOAT8E4M3FN,
     INT32,
     LAYOUT_OPS,
     QDQ_OPS,
+    TENSORRT_QDQ_TYPES,
     UINT8,
     WEIGHT_SLOTS,
     GraphIndex,
@@ -198,13 +199,13 @@ def _rule_zero_point(graph):
                 "quantizes biases itself and takes INT8 Q/DQ only: keep the "
                 "bias float32 (ONNX Runtime: extra_options QuantizeBias=False)."
             )
-        elif dtype is not None and dtype != INT8:
+        elif dtype is not None and dtype not in TENSORRT_QDQ_TYPES:
             kind = optional_import("onnx").TensorProto.DataType.Name(dtype)
             missing = "" if has_zero_point else "has no zero point, so it "
             message = (
-                f"{missing}quantizes to {kind}; TensorRT needs INT8 with zero "
-                "point 0: give it an INT8 zero point of 0 (ONNX Runtime: "
-                "activation_type=QuantType.QInt8)."
+                f"{missing}quantizes to {kind}; TensorRT needs INT8 (or FP8 "
+                "E4M3, FLOAT8E4M3FN) with zero point 0: give it an INT8 zero "
+                "point of 0 (ONNX Runtime: activation_type=QuantType.QInt8)."
             )
         elif has_zero_point:
             zero_point = graph.const(node.input[2])
@@ -288,6 +289,18 @@ def _rule_per_channel(graph):
         op, slot, source = use
         if slot == BIAS_SLOT or source.layout:
             continue  # reported by the zero_point / weight_dq_direct rules
+        if op.op_type not in ("MatMul", "Gemm") and (
+            _qdq_type(graph, node) == FLOAT8E4M3FN
+        ):
+            yield Finding(
+                "per_channel",
+                name,
+                f"per-channel FP8 weight of {op.op_type} "
+                f"'{graph.name(op)}'; TensorRT takes FP8 weights per "
+                "channel for GEMMs (MatMul, Gemm) only: use one scale for "
+                "this weight (keras_mp does for FP8 convolutions).",
+            )
+            continue
         shape = source.array.shape
         expected = output_channel_axis(op, slot, len(shape))
         if (axis + len(shape) if axis < 0 else axis) != expected:

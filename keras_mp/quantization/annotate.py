@@ -125,7 +125,9 @@ def quantize_apply(model):
     return inplace.quantize_in_place(model, annotated=True)
 
 
-def quantize_model(model, config=None, layers=None, in_place=False):
+def quantize_model(
+    model, config=None, layers=None, in_place=False, precision=None
+):
     """Annotates and applies in one call: the quantized copy of `model`.
 
     Any Keras 3 model: Sequential, Functional, subclassed, and models built
@@ -146,6 +148,11 @@ def quantize_model(model, config=None, layers=None, in_place=False):
             copy rebuilt from its config; for a model that has no working
             `get_config()` (it then saves with `save_weights` only).
             Defaults to False.
+        precision: str or None. `"int8"` or `"fp8"`: the precision of the
+            selected layers that `config` does not configure (a layer
+            `config` names keeps its `QuantizeConfig(precision=...)`, so
+            one model mixes INT8, FP8 and float layers). Defaults to None
+            (`"int8"`).
 
     Returns:
         A `keras_mp.RecordedModel` ready for `keras_mp.calibrate`.
@@ -163,4 +170,7 @@ def quantize_model(model, config=None, layers=None, in_place=False):
     >>> qmodel.compile(...); qmodel.fit(...)  # optional QAT
     """
     _check_float_model(model, "quantize_model")
-    return inplace.quantize_in_place(model, layers, config, in_place=in_place)
+    default = QuantizeConfig(precision=precision or "int8")
+    return inplace.quantize_in_place(
+        model, layers, config, in_place=in_place, default=default
+    )

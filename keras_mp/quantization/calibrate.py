@@ -145,11 +145,13 @@ def calibrate(
             f"`percentile` must be in (0, 100]. Received: {percentile}"
         )
     quantizers = activation_quantizers(model, "calibrate")
+    fixed = [n for n, q in quantizers.items() if q.fixed_range is not None]
     if not quantizers:
         raise ValueError(
             f"Model {model.name!r} has no activation quantizer to calibrate. "
             "Quantize it first with keras_mp.quantize_model(model)."
         )
+    quantizers = {n: q for n, q in quantizers.items() if n not in fixed}
     calibrators = {}
     for name, q in quantizers.items():
         if method == "percentile":
@@ -188,7 +190,7 @@ def calibrate(
     for name, q in quantizers.items():
         calibrator = calibrators[name]
         observed[name] = calibrator.observed_max
-        amax = calibrator.compute_amax(q.num_bits)
+        amax = calibrator.compute_amax(q.format)
         if calibrator.observed_max == 0.0:
             collapsed.append(name)
         q.amax.assign(amax)

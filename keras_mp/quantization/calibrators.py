@@ -7,6 +7,8 @@ Each is a small object, ModelOpt-style: `collect(x)` once per batch, then
 
 import numpy as np
 
+from keras_mp.quantization.formats import number_format
+
 # Bins of the |x| histogram the percentile, entropy and MSE methods share.
 NUM_BINS = 2048
 
@@ -53,20 +55,20 @@ class Calibrator:
         """Subclass hook: one batch of `|x|`, flattened, finite."""
 
     def compute_amax(self, num_bits=8):
-        """The range for a `num_bits` symmetric quantizer (0.0 when every
-        input seen was 0)."""
+        """The range for a symmetric quantizer of `num_bits` bits, or of a
+        `NumberFormat` row (`"fp8"`) (0.0 when every input seen was 0)."""
         if self.observed_max == 0.0:
             return 0.0
-        return self._compute_amax(num_bits)
+        return self._compute_amax(number_format(num_bits))
 
-    def _compute_amax(self, num_bits):
+    def _compute_amax(self, fmt):
         raise NotImplementedError
 
 
 class MaxCalibrator(Calibrator):
     """The largest `|x|` seen: nothing is clipped."""
 
-    def _compute_amax(self, num_bits):
+    def _compute_amax(self, fmt):
         return self.observed_max
 
 
@@ -113,7 +115,7 @@ class PercentileCalibrator(HistogramCalibrator):
         super().__init__(name)
         self.percentile = percentile
 
-    def _compute_amax(self, num_bits):
+    def _compute_amax(self, fmt):
         cdf = np.cumsum(self.hist) / self.hist.sum()
         idx = int(np.searchsorted(cdf, self.percentile / 100.0))
         return float(self.edges[min(idx + 1, len(self.hist))])
@@ -124,13 +126,15 @@ class EntropyCalibrator(HistogramCalibrator):
     level quantized distribution is closest (least KL divergence) to the
     clipped reference distribution."""
 
-    def _compute_amax(self, num_bits):
+    def _compute_amax(self, fmt):
         hist = self.hist.astype(np.float64)
         # ReLU outputs put half their mass in bin 0; that spike would
         # dominate the divergence and pick a tiny range. TensorRT's
         # reference implementation (pytorch-quantization) flattens it too.
         hist[0] = hist[1]
-        levels = 2 ** (num_bits - 1)
+        # a uniform grid of `levels` steps (for FP8 too: its grid is not
+        # uniform, the max, percentile or MSE methods model it better)
+        levels = 2 ** (fmt.bits - 1)
         best, best_i = np.inf, len(hist)
         for i in range(levels, len(hist) + 1):
             ref = hist[:i].copy()
@@ -167,16 +171,15 @@ class MseCalibrator(HistogramCalibrator):
         super().__init__(name)
         self.candidates = candidates
 
-    def _compute_amax(self, num_bits):
+    def _compute_amax(self, fmt):
         hist = self.hist.astype(np.float64)
         centers = (self.edges[:-1] + self.edges[1:]) / 2
-        qmax = 2 ** (num_bits - 1) - 1
         top = self.observed_max
         amaxes = np.linspace(top / self.candidates, top, self.candidates)
         errors = []
-        for amax in amaxes:
-            scale = amax / qmax
-            q = np.clip(np.round(centers / scale), -qmax - 1, qmax) * scale
+        for amax in amaxes:  # the format's own grid (int8, FP8, ...)
+            scale = amax / fmt.qmax
+            q = fmt.encode(centers / scale).astype(np.float64) * scale
             errors.append(np.sum(hist * (centers - q) ** 2))
         return float(amaxes[int(np.argmin(errors))])
 

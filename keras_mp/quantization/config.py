@@ -9,6 +9,10 @@ import dataclasses
 
 import keras
 
+# The precisions a layer can be quantized to: the `FORMATS` rows TensorRT
+# runs (int8 stands for the int rows of `num_bits`).
+PRECISIONS = ("int8", "fp8")
+
 
 @keras.saving.register_keras_serializable(package="keras_mp")
 @dataclasses.dataclass
@@ -17,8 +21,15 @@ class QuantizeConfig:
 
     Args:
         skip: bool. Leave the layer in float. Defaults to False.
-        num_bits: int. Bits of the weights and activations (2..8; TensorRT
-            runs 8). Defaults to 8.
+        precision: str. `"int8"` or `"fp8"` (FP8 E4M3, TensorRT on Ada,
+            Hopper and newer): the number format of the layer's weights and
+            inputs, a row of `keras_mp.quantization.FORMATS`. Where
+            TensorRT has no FP8 kernel (convolutions with 16 channels or
+            fewer in or out, or a filter of more than 32 taps) the layer
+            takes INT8 and `quantization_report` says so. Defaults to
+            `"int8"`.
+        num_bits: int. Bits of an int precision's weights and activations
+            (2..8; TensorRT runs 8). Defaults to 8.
         per_channel: bool. Per-channel weight ranges (on the output-channel
             axes); False for one range per weight tensor. Defaults to True.
         quantize_inputs: bool or None. Override the layer type's default
@@ -42,12 +53,15 @@ class QuantizeConfig:
             Defaults to True.
 
     Raises:
-        ValueError: `num_bits` is not an integer in [2, 8].
+        ValueError: `num_bits` is not an integer in [2, 8], an unknown
+            `precision`, or `precision="fp8"` with `num_bits` other than 8.
 
     Example:
 
     >>> config = keras_mp.QuantizeConfig(per_channel=False)
     >>> qmodel = keras_mp.quantize_model(model, config={"fc": config})
+    >>> mixed = keras_mp.quantize_model(  # FP8 transformer blocks, INT8 rest
+    ...     model, config={"encoder.*": keras_mp.QuantizeConfig(precision="fp8")})
     """
 
     skip: bool = False
@@ -57,6 +71,7 @@ class QuantizeConfig:
     learned_range: bool = False
     attention: bool = True
     dot: bool = True
+    precision: str = "int8"
 
     def __post_init__(self):
         if not isinstance(self.num_bits, int) or not 2 <= self.num_bits <= 8:
@@ -64,6 +79,22 @@ class QuantizeConfig:
                 "`num_bits` must be an integer in [2, 8] (TensorRT runs 8). "
                 f"Received: num_bits={self.num_bits!r}"
             )
+        if self.precision not in PRECISIONS:
+            raise ValueError(
+                f"`precision` must be one of {list(PRECISIONS)}. Received: "
+                f"precision={self.precision!r}"
+            )
+        if self.precision != "int8" and self.num_bits != 8:
+            raise ValueError(
+                f"`num_bits` is for int precisions; precision="
+                f"{self.precision!r} has 8 bits. Received: "
+                f"num_bits={self.num_bits!r}"
+            )
+
+    @property
+    def format(self):
+        """The name of the `FORMATS` row of this config's quantizers."""
+        return f"int{self.num_bits}" if self.precision == "int8" else self.precision
 
     def get_config(self):
         return dataclasses.asdict(self)

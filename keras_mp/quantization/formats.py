@@ -8,12 +8,30 @@ format's name, so a new format is one row of `FORMATS`. Guide:
 `docs/quantization.md` ("Number formats").
 """
 
+import contextlib
 import dataclasses
+import threading
 import types
 from collections.abc import Callable
 
+import ml_dtypes
 import numpy as np
 import tensorflow as tf
+
+_TRACE = threading.local()
+
+
+@contextlib.contextmanager
+def onnx_trace():
+    """While active, quantizers compute their format's `carrier` (the Q/DQ
+    tf2onnx can write) instead of its `qdq`: `export_onnx` traces the
+    model inside it, then retypes the carriers (`keras_mp.onnx.retype`)."""
+    before = getattr(_TRACE, "active", False)
+    _TRACE.active = True
+    try:
+        yield
+    finally:
+        _TRACE.active = before
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,10 +52,17 @@ class NumberFormat:
         onnx_type: str or None. The `onnx.TensorProto` element type of the
             exported zero point (TensorRT reads the format from it); None
             when the ONNX export cannot write this format.
+        min_opset: int. The lowest ONNX opset with Q/DQ of `onnx_type`.
+        storage: numpy dtype of the codes (`np.int8`,
+            `ml_dtypes.float8_e4m3fn`): what an exported weight holds.
         qdq: callable `(fmt, x, amax, axis, narrow_range) -> tensor`. Rounds
             the float32 `x` to the grid of `fmt` scaled to `amax` (a scalar,
             or a vector along `axis`) and returns the grid values (no
             gradient: `fake_quant` adds it).
+        carrier: callable like `qdq`, or None. For a format tf2onnx cannot
+            write: what the ONNX trace computes instead (`onnx_trace`), an
+            unsigned 8-bit Q/DQ whose scale is this format's; the export
+            gives it `onnx_type`. None: the trace computes `qdq`.
     """
 
     name: str
@@ -47,6 +72,9 @@ class NumberFormat:
     qmin: float
     onnx_type: str
     qdq: Callable = dataclasses.field(repr=False)
+    storage: type = np.int8
+    min_opset: int = 13
+    carrier: Callable = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self):
         if self.kind not in ("int", "float"):
@@ -72,8 +100,20 @@ class NumberFormat:
         return np.asarray(amax, np.float32) / np.float32(self.qmax)
 
     def quantize_dequantize(self, x, amax, axis=None, narrow_range=False):
-        """`x` rounded to this format's grid over `[-amax, amax]`."""
-        return self.qdq(self, x, amax, axis, narrow_range)
+        """`x` rounded to this format's grid over `[-amax, amax]` (its
+        `carrier` while `onnx_trace` is active)."""
+        fn = self.qdq
+        if self.carrier is not None and getattr(_TRACE, "active", False):
+            fn = self.carrier
+        return fn(self, x, amax, axis, narrow_range)
+
+    def encode(self, grid_values):
+        """Codes of `storage` type for values already divided by the scale
+        (numpy): rounded to the grid (half to even) and saturated."""
+        clipped = np.clip(np.asarray(grid_values, np.float32), self.qmin, self.qmax)
+        if self.kind == "int":
+            clipped = np.rint(clipped)
+        return clipped.astype(self.storage)
 
 
 def _int_qdq(fmt, x, amax, axis, narrow_range):
@@ -106,11 +146,76 @@ def _int_row(bits):
     )
 
 
-# Every format a quantizer accepts, by name. The int rows are the widths
-# `QuantizeConfig(num_bits=...)` accepts; TensorRT runs int8.
-FORMATS = types.MappingProxyType(
-    {row.name: row for row in map(_int_row, range(2, 9))}
+def _broadcast(amax, x, axis):
+    if axis is None:
+        return amax
+    shape = [1] * x.shape.rank
+    shape[axis] = -1
+    return tf.reshape(amax, shape)
+
+
+def _float_qdq(fmt, x, amax, axis, narrow_range):
+    """`cast(clip(x / scale, -qmax, qmax), storage) * scale`, `scale =
+    amax / qmax`: ONNX's QuantizeLinear (saturating, round to nearest even)
+    and DequantizeLinear to a float type, bit for bit."""
+    del narrow_range  # a float grid is symmetric
+    scale = _broadcast(amax / fmt.qmax, x, axis)
+    q = tf.clip_by_value(x / scale, -fmt.qmax, fmt.qmax)
+    codes = tf.cast(q, tf.dtypes.as_dtype(fmt.storage))
+    return tf.cast(codes, tf.float32) * scale
+
+
+def _unsigned_carrier(fmt, x, amax, axis, narrow_range):
+    """An unsigned 8-bit Q/DQ of range `[0, amax * 255 / qmax]`: tf2onnx
+    writes it with a UINT8 zero point (which no keras_mp quantizer uses
+    otherwise) and the scale `amax / qmax`; the export retypes it."""
+    del narrow_range
+    top = amax * (255.0 / fmt.qmax)
+    return tf.raw_ops.QuantizeAndDequantizeV3(
+        input=x,
+        input_min=tf.zeros_like(top),
+        input_max=top,
+        num_bits=8,
+        signed_input=False,
+        range_given=True,
+        narrow_range=False,
+        axis=-1 if axis is None else axis,
+    )
+
+
+# FP8 E4M3 as TensorRT and ONNX define it (FLOAT8E4M3FN: no infinities,
+# largest finite 448): Q/DQ at opset >= 19, where the zero point's type
+# selects FP8 in TensorRT's ONNX parser (`docs/quantization.md`).
+_FP8_E4M3 = NumberFormat(
+    name="fp8",
+    kind="float",
+    bits=8,
+    qmax=448.0,
+    qmin=-448.0,
+    onnx_type="FLOAT8E4M3FN",
+    qdq=_float_qdq,
+    storage=ml_dtypes.float8_e4m3fn,
+    min_opset=19,
+    carrier=_unsigned_carrier,
 )
+
+# Every format a quantizer accepts, by name. The int rows are the widths
+# `QuantizeConfig(num_bits=...)` accepts; TensorRT runs int8 and fp8.
+FORMATS = types.MappingProxyType(
+    {row.name: row for row in [*map(_int_row, range(2, 9)), _FP8_E4M3]}
+)
+
+
+def format_of_onnx_type(onnx_type):
+    """The row exported with zero points of ONNX element type `onnx_type`
+    (an `onnx.TensorProto` value or name), or None."""
+    if isinstance(onnx_type, int):
+        onnx = __import__("onnx")
+        onnx_type = onnx.TensorProto.DataType.Name(onnx_type)
+    for row in FORMATS.values():
+        if row.onnx_type == onnx_type:
+            return row
+    return None
 
 
 def number_format(name_or_bits):

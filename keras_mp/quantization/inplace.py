@@ -86,7 +86,7 @@ def _check_names(model, walked, layers, config):
             )
 
 
-def choose(model, layers=None, config=None, annotated=False):
+def choose(model, layers=None, config=None, annotated=False, default=None):
     """`{walk index: QuantizeConfig}` of the layers of `model` to quantize.
 
     A layer is selected when it or a layer holding it matches `layers`; its
@@ -123,7 +123,7 @@ def choose(model, layers=None, config=None, annotated=False):
                 raise unsupported(layer)
             continue
         if layer.built:
-            chosen[index] = layer_config or QuantizeConfig()
+            chosen[index] = layer_config or default or QuantizeConfig()
     return chosen
 
 
@@ -167,15 +167,17 @@ def annotate_in_place(model, layers, config):
 
 
 def quantize_in_place(
-    model, layers=None, config=None, annotated=False, in_place=False
+    model, layers=None, config=None, annotated=False, in_place=False,
+    default=None,
 ):
-    """Quantizes `model` (a copy of it, unless `in_place`) in place.
+    """Quantizes `model` (a copy of it, unless `in_place`) in place;
+    `default` is the config of selected layers `config` does not name.
 
     Returns:
         A `keras_mp.RecordedModel`.
     """
     caller = "quantize_apply" if annotated else "quantize_model"
-    choices = choose(model, layers, config, annotated)
+    choices = choose(model, layers, config, annotated, default)
     if not choices:
         if annotated:
             raise ValueError(

@@ -169,6 +169,75 @@ def attention_inputs(calls):
     return [n for n in attention.ATTENTION_INPUTS if n in needed]
 
 
+# TensorRT's FP8 convolutions (ModelOpt's ONNX PTQ, `graph_utils.py`
+# `find_nodes_from_convs_to_exclude`, the rules it encodes for TensorRT):
+# none with 16 channels or fewer in or out (`_MIN_CHANNELS_FP8`: slower
+# than FP16, and a 3-channel first convolution finds no FP8 tactic) or a
+# filter of more than 32 taps. ONNX counts a depthwise filter's input
+# channels per group: 1. FP8 weights are per tensor except for GEMMs
+# (TensorRT 10.6+ takes per-channel FP8 GEMM weights). `docs/quantization.md`.
+FP8_MIN_CHANNELS = 16
+FP8_MAX_TAPS = 32
+
+
+def _is_conv(layer):
+    return hasattr(layer, "kernel_size")
+
+
+def _no_fp8_conv(layer):
+    """Why TensorRT has no FP8 kernel for convolution `layer`, or ""."""
+    for weight in quantizable_row(layer).weights:
+        shape = tuple(getattr(layer, weight.attr).shape)
+        taps = 1
+        for size in shape[:-2]:
+            taps *= int(size)
+        depthwise = "depthwise" in weight.attr
+        channels = (1 if depthwise else int(shape[-2]), int(shape[-1]))
+        if min(channels) <= FP8_MIN_CHANNELS:
+            return (
+                f"FP8 asked, INT8 here: a convolution with "
+                f"{min(channels)} channels {'per group ' if depthwise else ''}"
+                f"(TensorRT has FP8 convolutions above {FP8_MIN_CHANNELS} "
+                "channels in and out)"
+            )
+        if taps > FP8_MAX_TAPS:
+            return (
+                f"FP8 asked, INT8 here: a {taps}-tap filter (TensorRT has "
+                f"FP8 convolutions up to {FP8_MAX_TAPS} taps)"
+            )
+    return ""
+
+
+def layer_format(layer, config):
+    """`(format name, note)`: the `FORMATS` row `layer`'s quantizers use
+    under `config`, and why it is not the one `config` asks for ("" when
+    it is). A convolution TensorRT cannot run in FP8 takes INT8."""
+    if config.precision == "fp8" and _is_conv(layer):
+        reason = _no_fp8_conv(layer)
+        if reason:
+            return "int8", reason
+    return config.format, ""
+
+
+def weight_axes(layer, weight, config):
+    """The output-channel axes of `weight`'s range: its row's with
+    `per_channel`, except for FP8 convolutions (per tensor), else `()`."""
+    if not config.per_channel:
+        return ()
+    if layer_format(layer, config)[0] == "fp8" and _is_conv(layer):
+        return ()
+    return weight.out_axes
+
+
+def fixed_range(fmt, matmul_input):
+    """The range of an attention matmul input no calibration changes, or
+    None: an FP8 softmax output (`"probs"`, in [0, 1]) takes the fixed
+    scale 1/448 of ModelOpt's FP8 transformer recipe (range 1.0)."""
+    if fmt == "fp8" and matmul_input == "probs":
+        return 1.0
+    return None
+
+
 def decide(walked, choices, calls):
     """The Q/DQ placement of the selected layers of a float model.
 

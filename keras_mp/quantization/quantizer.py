@@ -62,6 +62,9 @@ class TensorQuantizer(keras.layers.Layer):
             Defaults to False.
         num_bits: int or None. The int row of that many bits: the same as
             `format=num_bits`. Defaults to None.
+        fixed_range: float or None. A range that neither calibration nor
+            training changes (an FP8 softmax output: 1.0, scale 1/448).
+            Defaults to None.
         **kwargs: Base layer arguments (`name`, `dtype`).
 
     Raises:
@@ -84,6 +87,7 @@ class TensorQuantizer(keras.layers.Layer):
         learned_range=False,
         track_range=False,
         num_bits=None,
+        fixed_range=None,
         **kwargs,
     ):
         # Float32 math under mixed precision: a range or a scale rounded
@@ -99,6 +103,15 @@ class TensorQuantizer(keras.layers.Layer):
                 f"track_range=False. Received: out_axes={self.out_axes}, "
                 f"narrow_range={narrow_range}, track_range={track_range}"
             )
+        if fixed_range is not None and (
+            learned_range or track_range or self.out_axes
+        ):
+            raise ValueError(
+                "A fixed range is one per-tensor value no training changes: "
+                "it needs out_axes=(), learned_range=False and "
+                f"track_range=False. Received: fixed_range={fixed_range}"
+            )
+        self.fixed_range = None if fixed_range is None else float(fixed_range)
         self.narrow_range = bool(narrow_range)
         self.learned_range = bool(learned_range)
         self.track_range = bool(track_range)
@@ -115,7 +128,7 @@ class TensorQuantizer(keras.layers.Layer):
         self.amax = self.add_weight(
             name="amax",
             shape=_num_channels(input_shape, self.out_axes),
-            initializer="zeros",
+            initializer=keras.initializers.Constant(self.fixed_range or 0.0),
             dtype="float32",
             trainable=self.learned_range,
             aggregation="only_first_replica",
@@ -145,6 +158,8 @@ class TensorQuantizer(keras.layers.Layer):
         `inputs` in training (the first batch's `max|x|`, or every batch's
         with `track_range`)."""
         amax = _keras.float_value(self.amax)
+        if self.fixed_range is not None:
+            return amax
         if training and self.track_range:
             amax = tensor_amax(inputs, self.out_axes)
             self.amax.assign(amax)
@@ -185,6 +200,7 @@ class TensorQuantizer(keras.layers.Layer):
             narrow_range=self.narrow_range,
             learned_range=self.learned_range,
             track_range=self.track_range,
+            fixed_range=self.fixed_range,
         )
         return config
 

@@ -82,10 +82,12 @@ def twin_class(cls):
     )
 
 
-def _activation(config, name):
+def _activation(fmt, config, name, matmul_input=None):
+    fixed = placement.fixed_range(fmt, matmul_input)
     q = QuantizeActivation(
-        num_bits=config.num_bits,
-        learned_range=config.learned_range,
+        format=fmt,
+        fixed_range=fixed,
+        learned_range=config.learned_range and fixed is None,
         name=name,
         dtype="float32",
     )
@@ -106,6 +108,7 @@ def attach(layer, row, config, inputs, path, calls=1):
         calls: int. How many calls of the layer one input range covers
             (a shared layer: more than one).
     """
+    fmt, _ = placement.layer_format(layer, config)
     with _keras.unlocked(layer):
         layer.quantize_config = config
         layer.quantize_path = path
@@ -113,9 +116,9 @@ def attach(layer, row, config, inputs, path, calls=1):
         layer.weight_attrs = [w.attr for w in row.weights]
         layer.weight_quantizers = []
         for weight in row.weights:
-            axes = weight.out_axes if config.per_channel else ()
+            axes = placement.weight_axes(layer, weight, config)
             q = WeightQuantizer(
-                axes, config.num_bits, name=f"{layer.name}_{weight.attr}_q"
+                axes, format=fmt, name=f"{layer.name}_{weight.attr}_q"
             )
             q.build(getattr(layer, weight.attr).shape)
             layer.weight_quantizers.append(q)
@@ -123,7 +126,7 @@ def attach(layer, row, config, inputs, path, calls=1):
             layer.input_names = list(inputs)
             layer.input_indices = []
             layer.input_quantizers = [
-                _activation(config, f"{layer.name}_{name}_input")
+                _activation(fmt, config, f"{layer.name}_{name}_input")
                 for name in inputs
             ]
             # A twin may have more matmul inputs than Keras' attention
@@ -135,7 +138,9 @@ def attach(layer, row, config, inputs, path, calls=1):
             )
             layer.attention_quantizers = (
                 [
-                    _activation(config, f"{layer.name}_attention_{name}")
+                    _activation(
+                        fmt, config, f"{layer.name}_attention_{name}", name
+                    )
                     for name in matmul_inputs
                 ]
                 if config.attention
@@ -144,10 +149,10 @@ def attach(layer, row, config, inputs, path, calls=1):
         else:
             layer.input_indices = [int(i) for i in inputs]
             layer.input_quantizers = [
-                _activation(config, f"{layer.name}_input_{i}") for i in inputs
+                _activation(fmt, config, f"{layer.name}_input_{i}") for i in inputs
             ]
         layer.inner_quantizers = (
-            [_activation(config, f"{layer.name}_pointwise_input")]
+            [_activation(fmt, config, f"{layer.name}_pointwise_input")]
             if row.separable
             else []
         )

@@ -5,7 +5,7 @@ import numpy as np
 
 from keras_mp import _keras, _models, _record, layer_table
 from keras_mp.layer_table import NO_INPUTS, SKIP_INPUTS
-from keras_mp.quantization import twins
+from keras_mp.quantization import placement, twins
 from keras_mp.quantization.layers import quantizable_row
 from keras_mp.quantization.legacy import check_current
 from keras_mp.quantization.quantizer import TensorQuantizer
@@ -21,6 +21,9 @@ def _quantized_row(layer):
     amaxes = {k: float(q.amax.numpy()) for k, q in named.items()}
     uncalibrated = any(a == 0 for a in amaxes.values())
     notes = []
+    fmt, why = placement.layer_format(layer, layer.quantize_config)
+    if why:
+        notes.append(why)
     if uncalibrated:
         notes.append("uncalibrated input range (0): run keras_mp.calibrate")
     if _is_vector_dot(layer):
@@ -33,6 +36,7 @@ def _quantized_row(layer):
     return {
         "type": kind,
         "quantized": True,
+        "format": fmt,
         "inputs": amaxes,
         "weights": {
             attr: (float(np.min(v.numpy())), float(np.max(v.numpy())))
@@ -124,7 +128,8 @@ def quantization_report(model, verbose=True):
         model down to it), `type`, `quantized` (bool), `inputs` (activation
         ranges by input index, or by name: `pointwise_input`,
         `input_query`, `attention_probs`, ...), `weights` (per-channel
-        range min/max by weight), `note`.
+        range min/max by weight), `format` (a quantized layer's number
+        format: `"int8"`, `"fp8"`, ...), `note`.
 
     Raises:
         TypeError: `model` is not a Keras 3 model.
@@ -162,5 +167,8 @@ def quantization_report(model, verbose=True):
             )
             flag = "Q" if r["quantized"] else "-"
             name, kind = r["path"], r["type"]
-            print(f"{flag} {name:<24} {kind:<22} {ins} {ws} {r['note']}")
+            fmt = r.get("format", "")
+            print(
+                f"{flag} {name:<24} {kind:<22} {fmt:<5} {ins} {ws} {r['note']}"
+            )
     return rows

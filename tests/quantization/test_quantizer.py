@@ -59,22 +59,22 @@ def test_int8_row():
 
 
 def test_int_rows_are_the_widths_quantize_config_accepts():
-    assert list(FORMATS) == [f"int{b}" for b in range(2, 9)]
+    assert list(FORMATS) == [f"int{b}" for b in range(2, 9)] + ["fp8"]
     for bits in range(2, 9):
         QuantizeConfig(num_bits=bits)
         row = number_format(bits)
         assert row is FORMATS[f"int{bits}"]
         assert (row.qmin, row.qmax) == (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
-    # Only int8 is written by the ONNX export.
-    assert [r.name for r in FORMATS.values() if r.onnx_type] == ["int8"]
+    # The ONNX export writes the rows TensorRT runs: int8 and fp8.
+    assert [r.name for r in FORMATS.values() if r.onnx_type] == ["int8", "fp8"]
 
 
 def test_number_format_lookup():
     row = FORMATS["int4"]
     assert number_format("int4") is row
     assert number_format(row) is row
-    for bad in ("fp8", 16, True, 8.0, None):
-        with pytest.raises(ValueError, match=r"'int2', .* 'int8'\]"):
+    for bad in ("fp16", 16, True, 8.0, None):
+        with pytest.raises(ValueError, match=r"'int2', .* 'int8', 'fp8'\]"):
             number_format(bad)
 
 

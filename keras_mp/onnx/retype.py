@@ -1,0 +1,129 @@
+"""Carrier Q/DQ -> the format they stand for (FP8 E4M3 today).
+
+tf2onnx writes Q/DQ only from TensorFlow's `QuantizeAndDequantizeV3`, with
+INT8 (or UINT8) zero points, and at opsets up to 18. A `NumberFormat` it
+cannot write has a `carrier` (`keras_mp.quantization.formats`): while
+`export_onnx` traces the model, such a quantizer computes an unsigned
+8-bit Q/DQ of its own scale, which tf2onnx writes with a UINT8 zero point
+that no keras_mp quantizer uses otherwise. This pass gives each carrier
+its quantizer's exact scale and a zero point of the format's ONNX type
+(FLOAT8E4M3FN: TensorRT's parser reads FP8 from it); the weight fold then
+stores those weights in that type. `docs/export.md` ("FP8").
+"""
+
+import numpy as np
+
+from keras_mp._compat import optional_import
+from keras_mp.onnx.errors import ExportError
+from keras_mp.onnx.graph import QDQ_OPS, UINT8, subgraphs, walk
+
+# How far tf2onnx's float32 carrier scale, `float32(amax * 255 / qmax) /
+# 255`, may lie from the quantizer's `amax / qmax` (a few float32 ulps).
+_MATCH_RTOL = 1e-5
+
+
+def carrier_quantizers(model):
+    """`(description, format, exported scale)` of each enabled quantizer
+    of `model` whose format the export writes through a carrier."""
+    from keras_mp.quantization.quantizers import MIN_AMAX
+    from keras_mp.quantization.twins import quantizers
+
+    rows = []
+    for q in quantizers(model, "export_onnx"):
+        fmt = q.quantizer.format
+        if fmt.carrier is None or not (q.quantizer.enabled and q.layer.enabled):
+            continue
+        amax = np.asarray(q.quantizer.amax.numpy(), np.float32)
+        scale = fmt.scale(np.maximum(amax, np.float32(MIN_AMAX)))
+        rows.append((q.name, fmt, np.atleast_1d(scale)))
+    return rows
+
+
+def min_opset(model):
+    """The lowest opset that holds every format `model`'s quantizers use."""
+    return max((fmt.min_opset for _, fmt, _ in carrier_quantizers(model)), default=0)
+
+
+def _match(scale, candidates):
+    """The candidate `(description, format, scale)` nearest `scale`, or
+    None when none is within `_MATCH_RTOL`."""
+    scale = np.atleast_1d(np.asarray(scale, np.float32))
+    best, best_err = None, _MATCH_RTOL
+    for candidate in candidates:
+        if candidate[2].shape != scale.shape:
+            continue
+        err = float(np.max(np.abs(candidate[2] - scale) / candidate[2]))
+        if err <= best_err:
+            best, best_err = candidate, err
+    return best
+
+
+def retype_carriers(model_proto, model):
+    """Gives every carrier Q/DQ of `model_proto` its format, in place.
+
+    Args:
+        model_proto: the `onnx.ModelProto` tf2onnx wrote for `model`, at an
+            opset that holds the formats (`min_opset`).
+        model: the Keras model traced (its quantizers give the formats and
+            exact scales).
+
+    Returns:
+        The names of the quantizers whose Q/DQ were retyped.
+
+    Raises:
+        ExportError: a carrier Q/DQ matches no quantizer of `model`.
+    """
+    onnx = optional_import("onnx")
+    numpy_helper = onnx.numpy_helper
+    candidates = carrier_quantizers(model)
+    inits = {}
+    for node, owner, _ in walk(model_proto.graph):
+        for init in owner.initializer:
+            inits.setdefault(init.name, init)
+    done, retyped, codes = set(), [], {}
+    for node, _, _ in walk(model_proto.graph):
+        if node.op_type not in QDQ_OPS or len(node.input) < 3:
+            continue
+        zero = inits.get(node.input[2])
+        if zero is None or (
+            zero.data_type != UINT8 and node.input[2] not in done
+        ):
+            continue  # not a carrier (a zero point shared by carriers is
+            # retyped at the first)
+        scale_init = inits.get(node.input[1])
+        match = None
+        if scale_init is not None:
+            match = _match(numpy_helper.to_array(scale_init), candidates)
+        if match is None:
+            raise ExportError(
+                f"The unsigned 8-bit Q/DQ {node.name!r} of the traced graph "
+                "matches no quantizer of an FP8 (carrier) format: keras_mp "
+                "writes such Q/DQ only for those. Was the model changed "
+                "after calibration, or does it use a TensorFlow "
+                "QuantizeAndDequantize op of its own? Nothing was written."
+            )
+        description, fmt, scale = match
+        if node.input[1] not in done:
+            shape = tuple(scale_init.dims)
+            scale_init.CopyFrom(
+                numpy_helper.from_array(scale.reshape(shape), scale_init.name)
+            )
+            done.add(node.input[1])
+        if node.input[2] not in done:
+            zeros = np.zeros(tuple(zero.dims), fmt.storage)
+            zero.CopyFrom(numpy_helper.from_array(zeros, zero.name))
+            done.add(node.input[2])
+        if node.op_type == "QuantizeLinear":
+            codes[node.output[0]] = onnx.TensorProto.DataType.Value(
+                fmt.onnx_type
+            )
+        if description not in retyped:
+            retyped.append(description)
+    graphs = [model_proto.graph] + [
+        sub for n, _, _ in walk(model_proto.graph) for sub in subgraphs(n)
+    ]
+    for graph in graphs:  # the codes' declared type (tf2onnx: UINT8)
+        for info in [*graph.value_info, *graph.output]:
+            if info.name in codes:
+                info.type.tensor_type.elem_type = codes[info.name]
+    return retyped
