@@ -114,16 +114,7 @@ class TypedGraph:
 
     def to_metadata(self):
         """The float32 nodes as the JSON stored in the ONNX file."""
-        return json.dumps(
-            {
-                "dtype": self.dtype,
-                "max_magnitude": self.max_magnitude,
-                "measured_samples": self.measured_samples,
-                "float32_nodes": [
-                    dataclasses.asdict(e) for e in self.float32_nodes
-                ],
-            }
-        )
+        return json.dumps(dataclasses.asdict(self))
 
 
 def typed_graph(onnx_model):
@@ -148,14 +139,8 @@ def typed_graph(onnx_model):
     if stored is None:
         return None
     data = json.loads(stored)
-    return TypedGraph(
-        data["dtype"],
-        len(proto.graph.node),
-        sum(n.op_type == "Cast" for n in proto.graph.node),
-        data["max_magnitude"],
-        data["measured_samples"],
-        [Float32Node(**e) for e in data["float32_nodes"]],
-    )
+    data["float32_nodes"] = [Float32Node(**e) for e in data["float32_nodes"]]
+    return TypedGraph(**data)
 
 
 def _policy_layers(model):
@@ -284,6 +269,8 @@ def find_islands(
         measured = min(samples, len(data[0]))
         peaks = _measure(proto, data, samples)
         for node in nodes:
+            if node.op_type in ("Shape", "Size"):
+                continue  # they read a shape, not values
             over = [
                 (peaks[t], t)
                 for t in [*node.input, *node.output]

@@ -72,6 +72,22 @@ def test_cli_fp16_export_verifies_on_the_calibration_data(tmp_path, capsys):
     assert "No parity check" in capsys.readouterr().out
 
 
+def test_cli_dtype_prints_the_float32_nodes_and_why(tmp_path, capsys):
+    x = np.random.default_rng(0).random((8, 28, 28, 1), dtype=np.float32)
+    small_cnn().save(tmp_path / "m.keras")
+    np.save(tmp_path / "x.npy", x)
+    out = tmp_path / "m.onnx"
+    argv = ["export", str(tmp_path / "m.keras"), "--onnx", str(out)]
+    with pytest.warns(UserWarning, match="bfloat16': parity not checked"):
+        code = cli.main(argv + ["--verify", str(tmp_path / "x.npy"),
+                                "--dtype", "bfloat16"])
+    text = capsys.readouterr().out
+    assert code == 0
+    assert re.search(r"bfloat16 graph: \d+ of \d+ nodes kept float32", text)
+    assert "output layer" in text and "No parity check" not in text
+    assert cli.main(argv + ["--overwrite", "--dtype", "float8"]) == 2
+
+
 def _tiny_onnx(path):
     graph = helper.make_graph(
         [helper.make_node("Identity", ["x"], ["y"])],
