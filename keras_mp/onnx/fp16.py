@@ -168,7 +168,7 @@ def to_half(model_proto, dtype="float16", islands=None, model=None):
         raised = raise_subnormal_scales(model_copy)
         if raised:
             warnings.warn(
-                raised_message(raised, model), UserWarning, stacklevel=3
+                raised_message(raised, model), UserWarning, stacklevel=4
             )
     graph = model_copy.graph
     typed = onnx.shape_inference.infer_shapes(model_copy).graph

@@ -308,21 +308,24 @@ def _required_float32(nodes, producers, keep):
 
 def _beyond_float16(graph, consumers, keep):
     """Keeps the readers of a constant beyond float16's range (65504,
-    AutoCast's `init_max`) in float32."""
-    from onnx import numpy_helper
+    AutoCast's `init_max`; a -1e9 attention mask) in float32."""
+    from keras_mp.onnx.graph import constant_value
 
-    for init in graph.initializer:
-        if init.data_type != FLOAT:
-            continue
-        array = numpy_helper.to_array(init)
+    onnx = optional_import("onnx")
+    constants = [
+        (i.name, onnx.numpy_helper.to_array(i))
+        for i in graph.initializer
+        if i.data_type == FLOAT
+    ]
+    for node in graph.node:
+        value = constant_value(node) if node.op_type == "Constant" else None
+        if value is not None and value[1] == FLOAT:
+            constants.append((node.output[0], value[0]))
+    for name, array in constants:
         finite = np.abs(array[np.isfinite(array)])
         if finite.size and finite.max() > _FP16_MAX:
-            for node in consumers.get(init.name, []):
-                keep(
-                    node,
-                    "magnitude",
-                    f"constant {init.name} holds {finite.max():.4g}",
-                )
+            for node in consumers.get(name, []):
+                keep(node, "magnitude", f"constant {name} = {finite.max():.4g}")
 
 
 def _tie_qdq(nodes, producers, consumers, found, keep):
