@@ -32,11 +32,16 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import onnx  # noqa: E402
+from _common import markdown_table, write_results  # noqa: E402
+from bench_zoo import (  # noqa: E402
+    HUB,
+    _bert_tiny_fixed,
+    _images,
+    _token_batch,
+    refresh_batchnorm,
+)
 
 import keras_mp  # noqa: E402
-from _common import markdown_table, write_results  # noqa: E402
-from bench_zoo import HUB, _bert_tiny_fixed, _images, _token_batch  # noqa: E402
-from bench_zoo import refresh_batchnorm  # noqa: E402
 from keras_mp.onnx.fp16 import to_half  # noqa: E402
 
 SAMPLES = 32

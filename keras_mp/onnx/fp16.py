@@ -265,7 +265,10 @@ def to_half(model_proto, dtype="float16", islands=None, model=None):
             _renamereads(node, {value.name: inner})
         nodes.append(
             helper.make_node(
-                "Cast", [inner], [value.name], name=f"{value.name}_Cast",
+                "Cast",
+                [inner],
+                [value.name],
+                name=f"{value.name}_Cast",
                 to=FLOAT,
             )
         )

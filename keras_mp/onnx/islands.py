@@ -92,9 +92,7 @@ class TypedGraph:
         return {k: v for k, v in groups.items() if v}
 
     def __str__(self):
-        counts = ", ".join(
-            f"{len(v)} {k}" for k, v in self.by_reason().items()
-        )
+        counts = ", ".join(f"{len(v)} {k}" for k, v in self.by_reason().items())
         measured = (
             f"magnitudes measured on {self.measured_samples} inputs, "
             f"threshold {self.max_magnitude:g}"
@@ -158,9 +156,7 @@ def _policy_layers(model):
         if kind in (*_AFFINE_AT_INFERENCE, "InputLayer"):
             continue
         if mixed:
-            if layer.compute_dtype == "float32" and not _keras.sublayers(
-                layer
-            ):
+            if layer.compute_dtype == "float32" and not _keras.sublayers(layer):
                 found[layer.name] = f"layer {layer.name!r}: float32 policy"
         elif layer_table.keeps_float32(layer):
             found[layer.name] = (
@@ -379,7 +375,6 @@ def _follow_layout(nodes, producers, found, keep, model):
             keep(node, "layout", f"after {sources[0].name}")
 
 
-
 def apply_islands(proto, model, traced, dtype, data, max_magnitude):
     """The 16-bit graph of `proto` and its `TypedGraph`: islands chosen
     (`find_islands`), `fp16.to_half` applied, each float32 node's reason
@@ -387,9 +382,7 @@ def apply_islands(proto, model, traced, dtype, data, max_magnitude):
     (`typed_graph` reads it back)."""
     from keras_mp.onnx.fp16 import to_half
 
-    islands, measured = find_islands(
-        proto, model, dtype, data, max_magnitude
-    )
+    islands, measured = find_islands(proto, model, dtype, data, max_magnitude)
     typed_proto = to_half(proto, dtype, islands, traced)
     casts = len(
         [n for n in typed_proto.graph.node if n.op_type == "Cast"]

@@ -77,7 +77,9 @@ def ort_session(path, optimized=True):
             ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         )
     return ort.InferenceSession(
-        path if isinstance(path, bytes) else str(path), options, providers=["CPUExecutionProvider"]
+        path if isinstance(path, bytes) else str(path),
+        options,
+        providers=["CPUExecutionProvider"],
     )
 
 

@@ -64,8 +64,11 @@ def _check_casts_at_boundaries(proto, islands):
     for node in graph.node:
         for name in node.input:
             consumers.setdefault(name, []).append(node)
-    added = [n for n in graph.node if n.op_type == "Cast" and (
-        n.name.endswith("_Cast"))]
+    added = [
+        n
+        for n in graph.node
+        if n.op_type == "Cast" and (n.name.endswith("_Cast"))
+    ]
     assert added
     for cast in added:
         source = producers.get(cast.input[0])
@@ -113,15 +116,16 @@ def test_policy_and_magnitude_islands(encoder, tmp_path):
                 assert types[name] == want, (node.name, name)
     _check_casts_at_boundaries(proto, islands)
     assert {v.type.tensor_type.elem_type for v in proto.graph.input} == {FLOAT}
-    assert {v.type.tensor_type.elem_type for v in proto.graph.output} == {
-        FLOAT
-    }
+    assert {v.type.tensor_type.elem_type for v in proto.graph.output} == {FLOAT}
 
 
 def test_threshold_is_a_parameter(encoder, tmp_path):
     model, x = encoder
     report = keras_mp.export_onnx(
-        model, tmp_path / "a.onnx", dtype="float16", verify_data=x,
+        model,
+        tmp_path / "a.onnx",
+        dtype="float16",
+        verify_data=x,
         max_magnitude=1e4,
     )
     assert "magnitude" not in report.typed.by_reason()
@@ -130,10 +134,12 @@ def test_threshold_is_a_parameter(encoder, tmp_path):
 
 def test_fp16_true_is_dtype_float16(encoder, tmp_path):
     model, x = encoder
-    a = keras_mp.export_onnx(model, tmp_path / "a.onnx", fp16=True,
-                             verify_data=x)
-    b = keras_mp.export_onnx(model, tmp_path / "b.onnx", dtype="float16",
-                             fp16=True, verify_data=x)
+    a = keras_mp.export_onnx(
+        model, tmp_path / "a.onnx", fp16=True, verify_data=x
+    )
+    b = keras_mp.export_onnx(
+        model, tmp_path / "b.onnx", dtype="float16", fp16=True, verify_data=x
+    )
     assert a.typed.dtype == "float16"
     assert [(e.op_type, e.reason) for e in a.typed.float32_nodes] == [
         (e.op_type, e.reason) for e in b.typed.float32_nodes
@@ -171,7 +177,9 @@ def test_no_cast_between_dequantize_and_its_gemm(int8_cnn, tmp_path, dtype):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         keras_mp.export_onnx(qmodel, path, dtype=dtype, verify_data=x)
-    parity_skipped = [w for w in caught if "parity not checked" in str(w.message)]
+    parity_skipped = [
+        w for w in caught if "parity not checked" in str(w.message)
+    ]
     assert bool(parity_skipped) == (dtype == "bfloat16")
     proto = onnx.load(path)
     assert keras_mp.check_tensorrt(proto).ok
@@ -194,9 +202,10 @@ def test_bfloat16_graph_structure(encoder, tmp_path):
     model, x = encoder
     path = tmp_path / "bf16.onnx"
     with pytest.warns(UserWarning, match="no bfloat16 kernels"):
-        assert keras_mp.export_onnx(
-            model, path, dtype="bfloat16", verify_data=x
-        ) is None
+        assert (
+            keras_mp.export_onnx(model, path, dtype="bfloat16", verify_data=x)
+            is None
+        )
     proto = onnx.load(path)
     onnx.checker.check_model(proto, full_check=True)
     types = set(_types(proto).values())
