@@ -25,6 +25,7 @@ SECTIONS = [
     ("vit", "ViT on Fashion-MNIST (issue 16)"),
     ("sequence", "LSTM and GRU on Fashion-MNIST rows (issue 23)"),
     ("hub", "keras-hub backbones, one row per class (issue 23)"),
+    ("typed", "Strongly typed graphs (issue 24)"),
 ]
 
 

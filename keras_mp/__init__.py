@@ -56,6 +56,7 @@ from keras_mp.onnx import (
     export_onnx,
     export_saved_model,
     trtexec_command,
+    typed_graph,
     verify_onnx,
 )
 from keras_mp.quantization import (

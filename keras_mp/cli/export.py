@@ -27,12 +27,17 @@ def export_command_parser(subparsers):
         "--opset",
         type=int,
         default=None,
-        help="ONNX opset (17; 19 with --fp16)",
+        help="ONNX opset (17; 19 with --dtype float16/bfloat16)",
     )
     parser.add_argument(
-        "--fp16",
-        action="store_true",
-        help="float16 outside the INT8 layers, for strongly typed TensorRT",
+        "--dtype",
+        choices=("float32", "float16", "bfloat16"),
+        default=None,
+        help="strongly typed graph: this type outside the INT8 layers, "
+        "float32 islands where needed (listed with their reasons)",
+    )
+    parser.add_argument(
+        "--fp16", action="store_true", help="alias of --dtype float16"
     )
     parser.add_argument("--overwrite", action="store_true")
     parser.set_defaults(func=export_command)
@@ -66,10 +71,14 @@ def export_command(args):
             verify_data=verify,
             overwrite=args.overwrite,
             fp16=args.fp16,
+            dtype=args.dtype,
         )
+        typed = keras_mp.typed_graph(args.onnx)
         if report is not None:
-            print(report)
-        else:
+            print(report)  # with the float32 nodes of a typed graph
+        elif typed is not None:
+            print(typed)
+        if verify is None:
             print(
                 "No parity check: pass --verify DATA.npy (or --calibrate) to "
                 "compare ONNX Runtime with Keras."

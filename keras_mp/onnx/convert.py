@@ -278,8 +278,10 @@ def _exact_resize_scales(proto):
     except Exception:  # shape inference is a nicety here: leave as is
         return
     dims = {
-        v.name: [d.dim_value if d.HasField("dim_value") else 0
-                 for d in v.type.tensor_type.shape.dim]
+        v.name: [
+            d.dim_value if d.HasField("dim_value") else 0
+            for d in v.type.tensor_type.shape.dim
+        ]
         for v in [*inferred.value_info, *inferred.input]
     }
     for node in scaled:

@@ -4,6 +4,7 @@ atomically and checked against Keras; `docs/export.md` explains each step.
 
 import os
 import re
+import warnings
 
 import numpy as np
 
@@ -12,10 +13,11 @@ from keras_mp._compat import optional_import
 from keras_mp._models import check_model
 from keras_mp.io import atomic_path
 from keras_mp.onnx import fp16 as onnx_fp16
+from keras_mp.onnx import retype
 from keras_mp.onnx.convert import function_to_onnx
 from keras_mp.onnx.errors import ExportError
-from keras_mp.onnx import retype
 from keras_mp.onnx.fold import fold_weight_qdq
+from keras_mp.onnx.islands import MAX_MAGNITUDE, apply_islands
 from keras_mp.onnx.parity import (
     check_parity,
     flat_outputs,
@@ -30,6 +32,16 @@ from keras_mp.quantization.twins import quantizers as quantizers_of
 # tf2onnx 1.17 converts up to opset 18; later opsets go through ONNX's
 # version converter.
 _TF2ONNX_MAX_OPSET = 18
+_NO_BFLOAT16_PARITY = (
+    "dtype='bfloat16': parity not checked. ONNX Runtime's CPU provider has "
+    "no bfloat16 kernels for Add, Mul, MatMul, Conv, Softmax and most other "
+    "arithmetic (1.32 runs Cast, Transpose, Concat, Clip, Identity and "
+    "LayerNormalization only), so this graph cannot run here. It was checked "
+    "structurally (onnx.checker, strict shape inference, element types) and "
+    "its float32 islands were measured on verify_data in float32; check "
+    "parity on the target (TensorRT) or export dtype='float16' to run it in "
+    "ONNX Runtime."
+)
 
 
 def _check_signature(model, what):
@@ -138,15 +150,18 @@ def export_onnx(
     max_rel_l2=None,
     fp16=False,
     allow_lint_violations=False,
+    dtype=None,
+    max_magnitude=MAX_MAGNITUDE,
 ):
     """Exports a Keras model to ONNX with TensorRT-style Q/DQ.
 
     Works for float, mixed-precision and quantized models. A model whose
     layers compute in float16 or bfloat16 is exported through a float32
     twin (`keras_mp.onnx.twin.float32_twin`), so the graph is float32 at
-    its boundaries and between its Q/DQ pairs; TensorRT picks the
-    precision of each layer itself, and `fp16=True` asks for float16
-    explicitly. Parity is checked against that twin, whose numerics the
+    its boundaries and between its Q/DQ pairs. `dtype="float16"` or
+    `"bfloat16"` writes a strongly typed graph (TensorRT 11 takes every
+    tensor's type from the file): 16-bit where safe, float32 islands where
+    not. Parity is checked against that twin, whose numerics the
     graph implements: the 16-bit model's own rounding is not an export
     error (`docs/export.md` has how far the two are apart).
 
@@ -158,8 +173,8 @@ def export_onnx(
         model: a called `keras.Model`.
         path: str. The `.onnx` file to write.
         opset: int. ONNX opset, >= 13 (per-channel Q/DQ). Defaults to 17,
-            or 19 with `fp16=True` or FP8 quantizers (FP8 Q/DQ need 19: an
-            explicit lower opset is an error).
+            or 19 with a 16-bit `dtype` or FP8 quantizers (FP8 Q/DQ need
+            19: an explicit lower opset is an error).
         inputs_as_nchw: list of input names to expose as NCHW. Defaults to
             None (NHWC, as the Keras model).
         verify_data: what the model takes (one array; a list, or a dict by
@@ -169,23 +184,40 @@ def export_onnx(
             before the file lands.
         overwrite: bool. Replace an existing file. Defaults to False.
         min_top1_agreement: float. Parity tolerance. Defaults to 0.999,
-            or 0.99 with `fp16=True`.
+            or 0.99 with a 16-bit `dtype`.
         max_rel_l2: float. Parity tolerance. Defaults to 0.01, or 0.05 with
-            `fp16=True` (float16 arithmetic and float16 scales move the
-            logits by about 1% against the float32 Keras model).
-        fp16: bool. Cast everything that is not INT8 to float16 (inputs and
-            outputs stay float32) for a strongly typed TensorRT build, Q/DQ
-            scales included; needs opset >= 19. A scale below float16's
-            smallest normal number (an activation range under 7.75e-3) is
-            raised to it, with one `UserWarning` naming each Keras
-            quantizer and what its INT8 grid loses; the parity check
-            judges the raised graph. Defaults to False.
+            a 16-bit `dtype` (float16 arithmetic and float16 scales move
+            the logits by about 1% against the float32 Keras model).
+        fp16: bool. Alias of `dtype="float16"`. Defaults to False.
         allow_lint_violations: bool. For a model keras_mp quantized
             (`quantize_model`), a graph that breaks the TensorRT contract
             (`check_tensorrt`) raises an ExportError; True writes it with a
             warning instead. Graphs keras_mp did not quantize (float
             models, Keras' own `model.quantize`) only ever warn. Defaults
             to False.
+        dtype: str. `"float16"` or `"bfloat16"`: a strongly typed graph
+            (needs opset >= 19). Everything that is not INT8 is written in
+            that type (Q/DQ scales included, so each DequantizeLinear
+            outputs it), except float32 islands: the layers the Keras
+            policy computes in float32 (softmax, normalization but
+            BatchNorm, the output layers), nodes whose values on
+            `verify_data` exceed `max_magnitude`, inputs ONNX requires in
+            float32, and the Q/DQ pairs and Conv/MatMul tied to those. A
+            Cast goes only at island boundaries, never between a
+            DequantizeLinear and its Conv/MatMul; inputs and outputs stay
+            float32. Each float32 node's reason is in its `doc_string`,
+            the list in the file (`keras_mp.typed_graph(path)`) and on the
+            returned report's `typed`. A float16 scale below float16's
+            smallest normal number is raised to it, with one
+            `UserWarning` naming each Keras quantizer and what its INT8
+            grid loses. ONNX Runtime's CPU provider has no bfloat16
+            arithmetic kernels, so a bfloat16 graph's parity is not
+            checked (a `UserWarning` says so). `None` or `"float32"`:
+            float32. Defaults to None.
+        max_magnitude: float. With a 16-bit `dtype`, a node whose float
+            inputs or outputs exceed this on `verify_data` (its first 64
+            rows, run in float32) stays float32. Defaults to 512,
+            ModelOpt AutoCast's `data_max`.
 
     The ONNX graph has one input per model input, named after the Keras
     input and of its dtype (int32 token ids stay int32), and one output
@@ -198,9 +230,10 @@ def export_onnx(
         ExportError: not exportable (never called, uncalibrated ranges,
             opset < 13, existing file without `overwrite`, an op tf2onnx
             cannot convert, `verify_data` that does not fit the inputs, a
-            TensorRT contract violation in a graph keras_mp quantized; with
-            `fp16=True`, a constant beyond float16's range or a Q/DQ scale
-            that is not positive and finite).
+            TensorRT contract violation in a graph keras_mp quantized; a
+            `dtype` other than float32, float16 or bfloat16, or `fp16=True`
+            with another `dtype`; with float16, a Q/DQ scale that is not
+            positive and finite).
         ParityError: ONNX Runtime disagrees with Keras past the tolerance.
 
     Example:
@@ -210,8 +243,9 @@ def export_onnx(
     optional_import("tf2onnx")
     onnx = optional_import("onnx")
     opset_given = opset is not None
+    dtype = onnx_fp16.resolve_dtype(dtype, fp16, ExportError)
     if opset is None:
-        opset = onnx_fp16.MIN_OPSET if fp16 else 17
+        opset = onnx_fp16.MIN_OPSET if dtype else 17
     if not isinstance(opset, int) or opset < 13:
         raise ExportError(
             f"Per-channel Q/DQ needs opset >= 13. Received: opset={opset!r}"
@@ -221,9 +255,10 @@ def export_onnx(
             f"onnx {onnx.__version__} knows opsets up to "
             f"{onnx.defs.onnx_opset_version()}. Received: opset={opset}"
         )
-    if fp16 and opset < onnx_fp16.MIN_OPSET:
+    if dtype and opset < onnx_fp16.MIN_OPSET:
         raise ExportError(
-            "fp16=True stores Q/DQ scales as float16, which needs opset >= "
+            f"dtype={dtype!r} stores Q/DQ scales in {dtype}, which needs "
+            "opset >= "
             f"{onnx_fp16.MIN_OPSET}. Received: opset={opset}. Pass "
             f"opset={onnx_fp16.MIN_OPSET}."
         )
@@ -265,19 +300,25 @@ def export_onnx(
         inputs_as_nchw=inputs_as_nchw,
     )
     if max_rel_l2 is None:
-        max_rel_l2 = 0.05 if fp16 else 0.01
+        max_rel_l2 = 0.05 if dtype else 0.01
     if min_top1_agreement is None:
-        min_top1_agreement = 0.99 if fp16 else 0.999
+        min_top1_agreement = 0.99 if dtype else 0.999
     if needed:  # FP8 Q/DQ exist from opset 19: retype, then fold
         proto = onnx_fp16.convert_version(proto, opset)
         retype.retype_carriers(proto, traced)
     proto = fold_weight_qdq(proto)
     proto = onnx_fp16.convert_version(proto, opset)
-    if fp16:
+    typed = None
+    if dtype:
         try:
-            proto = onnx_fp16.to_float16(proto, traced)
+            proto, typed = apply_islands(
+                proto, model, traced, dtype, verify_data, max_magnitude
+            )
         except ValueError as e:
             raise ExportError(str(e)) from e
+        if dtype == "bfloat16" and verify_data is not None:
+            verify_data = None
+            warnings.warn(_NO_BFLOAT16_PARITY, UserWarning, stacklevel=2)
     onnx.checker.check_model(proto)
     _check_tensorrt_contract(model, proto, allow_lint_violations)
     report = None
@@ -292,6 +333,7 @@ def export_onnx(
                 max_rel_l2,
                 serve=serve,
             )
+            report.typed = typed
     return report
 
 
@@ -305,8 +347,6 @@ def _check_tensorrt_contract(model, proto, allow_lint_violations):
     export, not in the model), unless `allow_lint_violations`; a warning for
     graphs it did not quantize (float models, Keras' `model.quantize`), and
     for a quantized model whose graph leaves weighted ops in float."""
-    import warnings
-
     from keras_mp.onnx.tensorrt import check_tensorrt
 
     lint = check_tensorrt(proto, check_sparsity=False)

@@ -238,7 +238,9 @@ def _dq_constants(dq, index):
         values = index.const(q.input[0])
         if values is not None:
             codes = _keras_codes(
-                values, index.const(q.input[1]), attr(q, "axis", 1),
+                values,
+                index.const(q.input[1]),
+                attr(q, "axis", 1),
                 _format(q, index),
             )
             try:

@@ -20,7 +20,8 @@ class ParityReport:
 
     The figures are the worst over the model's outputs; `outputs` holds
     one `OutputParity` per output (by Keras output name) when it has
-    several.
+    several. `typed` is the `TypedGraph` of a strongly typed export
+    (`export_onnx(dtype=...)`): which nodes stayed float32, and why.
     """
 
     samples: int
@@ -32,6 +33,7 @@ class ParityReport:
     optimized_rel_l2: float = None
     outputs: list = dataclasses.field(default_factory=list)
     note: str = ""
+    typed: object = None
 
     def __str__(self):
         text = (
@@ -56,6 +58,8 @@ class ParityReport:
                 f"max |diff| {r.max_abs_diff:.3g}"
                 for r in self.outputs
             )
+        if self.typed is not None:
+            text += f"\n{self.typed}"
         return text
 
 
@@ -63,7 +67,7 @@ def ort_session(path, optimized=True):
     """An ONNX Runtime CPU session on the file at `path`.
 
     Args:
-        path: str. The `.onnx` file.
+        path: str. The `.onnx` file (or its serialized bytes).
         optimized: bool. ORT's default graph optimizations; False runs the
             graph as written (Q/DQ semantics). Defaults to True.
 
@@ -77,7 +81,9 @@ def ort_session(path, optimized=True):
             ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         )
     return ort.InferenceSession(
-        str(path), options, providers=["CPUExecutionProvider"]
+        path if isinstance(path, bytes) else str(path),
+        options,
+        providers=["CPUExecutionProvider"],
     )
 
 

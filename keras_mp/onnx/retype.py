@@ -41,7 +41,9 @@ def carrier_quantizers(model):
 
 def min_opset(model):
     """The lowest opset that holds every format `model`'s quantizers use."""
-    return max((fmt.min_opset for _, fmt, _ in carrier_quantizers(model)), default=0)
+    return max(
+        (fmt.min_opset for _, fmt, _ in carrier_quantizers(model)), default=0
+    )
 
 
 def _match(scale, candidates):
@@ -77,7 +79,7 @@ def retype_carriers(model_proto, model):
     numpy_helper = onnx.numpy_helper
     candidates = carrier_quantizers(model)
     inits = {}
-    for node, owner, _ in walk(model_proto.graph):
+    for _node, owner, _ in walk(model_proto.graph):
         for init in owner.initializer:
             inits.setdefault(init.name, init)
     done, retyped, codes = set(), [], {}

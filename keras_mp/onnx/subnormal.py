@@ -1,7 +1,7 @@
 """Q/DQ scales below float16's smallest normal number, raised to it before
-a float16 export (`fp16.to_float16`), and the warning that says which
+a float16 export (`fp16.to_half`), and the warning that says which
 Keras quantizers they belong to and what their INT8 grids lose
-(`docs/export.md`, "Float16 graphs for strongly typed TensorRT")."""
+(`docs/export.md`, "Strongly typed graphs")."""
 
 import dataclasses
 

@@ -60,8 +60,8 @@ class QuantizeConfig:
 
     >>> config = keras_mp.QuantizeConfig(per_channel=False)
     >>> qmodel = keras_mp.quantize_model(model, config={"fc": config})
-    >>> mixed = keras_mp.quantize_model(  # FP8 transformer blocks, INT8 rest
-    ...     model, config={"encoder.*": keras_mp.QuantizeConfig(precision="fp8")})
+    >>> fp8 = keras_mp.QuantizeConfig(precision="fp8")
+    >>> mixed = keras_mp.quantize_model(model, config={"encoder.*": fp8})
     """
 
     skip: bool = False
@@ -94,7 +94,11 @@ class QuantizeConfig:
     @property
     def format(self):
         """The name of the `FORMATS` row of this config's quantizers."""
-        return f"int{self.num_bits}" if self.precision == "int8" else self.precision
+        return (
+            f"int{self.num_bits}"
+            if self.precision == "int8"
+            else self.precision
+        )
 
     def get_config(self):
         return dataclasses.asdict(self)

@@ -110,7 +110,9 @@ class NumberFormat:
     def encode(self, grid_values):
         """Codes of `storage` type for values already divided by the scale
         (numpy): rounded to the grid (half to even) and saturated."""
-        clipped = np.clip(np.asarray(grid_values, np.float32), self.qmin, self.qmax)
+        clipped = np.clip(
+            np.asarray(grid_values, np.float32), self.qmin, self.qmax
+        )
         if self.kind == "int":
             clipped = np.rint(clipped)
         return clipped.astype(self.storage)

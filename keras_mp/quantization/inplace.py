@@ -167,7 +167,11 @@ def annotate_in_place(model, layers, config):
 
 
 def quantize_in_place(
-    model, layers=None, config=None, annotated=False, in_place=False,
+    model,
+    layers=None,
+    config=None,
+    annotated=False,
+    in_place=False,
     default=None,
 ):
     """Quantizes `model` (a copy of it, unless `in_place`) in place;

@@ -149,7 +149,8 @@ def attach(layer, row, config, inputs, path, calls=1):
         else:
             layer.input_indices = [int(i) for i in inputs]
             layer.input_quantizers = [
-                _activation(fmt, config, f"{layer.name}_input_{i}") for i in inputs
+                _activation(fmt, config, f"{layer.name}_input_{i}")
+                for i in inputs
             ]
         layer.inner_quantizers = (
             [_activation(fmt, config, f"{layer.name}_pointwise_input")]

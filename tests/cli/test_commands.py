@@ -56,12 +56,17 @@ def test_cli_export_and_lint(tmp_path, capsys):
     )
 
 
-def test_cli_fp16_export_verifies_on_the_calibration_data(tmp_path, capsys):
-    x = np.random.default_rng(0).random((16, 28, 28, 1), dtype=np.float32)
+def _saved_cnn(tmp_path, n):
+    """`small_cnn` saved, `n` inputs in `x.npy`, and the export argv."""
+    x = np.random.default_rng(0).random((n, 28, 28, 1), dtype=np.float32)
     small_cnn().save(tmp_path / "m.keras")
     np.save(tmp_path / "x.npy", x)
     out = tmp_path / "m.onnx"
-    argv = ["export", str(tmp_path / "m.keras"), "--onnx", str(out)]
+    return out, ["export", str(tmp_path / "m.keras"), "--onnx", str(out)]
+
+
+def test_cli_fp16_export_verifies_on_the_calibration_data(tmp_path, capsys):
+    out, argv = _saved_cnn(tmp_path, 16)
     code = cli.main(argv + ["--calibrate", str(tmp_path / "x.npy"), "--fp16"])
     text = capsys.readouterr().out
     assert code == 0 and "top-1 agreement 100.00%" in text
@@ -70,6 +75,20 @@ def test_cli_fp16_export_verifies_on_the_calibration_data(tmp_path, capsys):
     assert max(o.version for o in proto.opset_import if o.domain == "") == 19
     assert cli.main(argv + ["--overwrite"]) == 0
     assert "No parity check" in capsys.readouterr().out
+
+
+def test_cli_dtype_prints_the_float32_nodes_and_why(tmp_path, capsys):
+    _, argv = _saved_cnn(tmp_path, 8)
+    verify = ["--verify", str(tmp_path / "x.npy")]
+    with pytest.warns(UserWarning, match="bfloat16': parity not checked"):
+        code = cli.main(argv + verify + ["--dtype", "bfloat16"])
+    text = capsys.readouterr().out
+    assert code == 0
+    assert re.search(r"bfloat16 graph: \d+ of \d+ nodes kept float32", text)
+    assert "output layer" in text and "No parity check" not in text
+    with pytest.raises(SystemExit) as exit_info:  # argparse's choices
+        cli.main(argv + ["--overwrite", "--dtype", "float8"])
+    assert exit_info.value.code == 2
 
 
 def _tiny_onnx(path):

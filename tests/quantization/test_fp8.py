@@ -1,13 +1,12 @@
 """FP8 E4M3: the format row, `precision=` on quantize_model and
 QuantizeConfig, TensorRT's FP8 placement rules, and the ONNX export."""
 
+import keras
 import ml_dtypes
 import numpy as np
-import onnx
 import pytest
 import tensorflow as tf
 
-import keras
 import keras_mp
 from keras_mp.quantization import FORMATS
 from keras_mp.quantization.calibrate import activation_quantizers
@@ -28,7 +27,9 @@ def test_fp8_rounding_is_e4m3_bit_for_bit_and_saturates():
         np.clip(x / scale, -448, 448).astype(ml_dtypes.float8_e4m3fn)
     ).astype(np.float32) * scale
     np.testing.assert_array_equal(got, want)
-    assert got.max() == pytest.approx(10.0) and got.min() == pytest.approx(-10.0)
+    assert got.max() == pytest.approx(10.0) and got.min() == pytest.approx(
+        -10.0
+    )
     # 1.0625 lies halfway between E4M3's 1.0 and 1.125: ties go to even
     tie = fake_quant(tf.constant([1.0625]), np.float32(448), format="fp8")
     assert float(tie[0]) == 1.0
@@ -58,7 +59,9 @@ def _cnn(channels=32):
 
 def _formats(qmodel):
     rows = keras_mp.quantization_report(qmodel, verbose=False)
-    return {r["layer"]: (r.get("format"), r["note"]) for r in rows if r["quantized"]}
+    return {
+        r["layer"]: (r.get("format"), r["note"]) for r in rows if r["quantized"]
+    }
 
 
 def test_precision_fp8_follows_tensorrt_conv_rules():

@@ -1,0 +1,171 @@
+"""Strongly typed graphs: the old "everything 16-bit" float16 pass against
+float32 islands (`export_onnx(dtype=...)`), on ViT, BERT and MobileNetV2.
+
+Each row is a tiny random-weight float model as `bench_zoo.py` builds it
+(keras-hub `ViTBackbone` 32x32 and `BertBackbone` with 16 tokens, from
+`hub_models`; `keras.applications.MobileNetV2`, alpha 0.35, 32x32, with
+BatchNorm statistics from the inputs). Against the float32 Keras model,
+on 32 random inputs, ONNX Runtime (graph optimizations off) runs:
+
+- all16: the float32 export with every float tensor inside converted to
+  float16 (`fp16.to_half` without islands: what `fp16=True` wrote
+  before islands), or the error it gives;
+- islands float16: `export_onnx(dtype="float16")`, magnitudes measured on
+  the same inputs (threshold 512);
+- islands bfloat16: `export_onnx(dtype="bfloat16")`: structure only,
+  since ONNX Runtime's CPU provider has no bfloat16 arithmetic kernels.
+
+Columns: relative L2 and max |diff| of the outputs (the worst output),
+float32 nodes kept, Casts the pass added.
+
+    python benchmarks/bench_typed.py [--quick]
+"""
+
+import os
+import sys
+import tempfile
+import warnings
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import onnx  # noqa: E402
+from _common import markdown_table, write_results  # noqa: E402
+from bench_zoo import (  # noqa: E402
+    HUB,
+    _bert_tiny_fixed,
+    _images,
+    _token_batch,
+    refresh_batchnorm,
+)
+
+import keras_mp  # noqa: E402
+from keras_mp.onnx.fp16 import to_half  # noqa: E402
+
+SAMPLES = 32
+
+
+def _mobilenet_v2():
+    return keras.applications.MobileNetV2(
+        input_shape=(32, 32, 3),
+        alpha=0.35,
+        weights=None,
+        classes=10,
+        classifier_activation=None,
+    )
+
+
+ROWS = {
+    "ViT": HUB["ViTBackbone_tiny"],
+    "BERT": (_bert_tiny_fixed, _token_batch),
+    "MobileNetV2": (_mobilenet_v2, _images((32, 32, 3))),
+}
+
+
+def _casts(proto):
+    return sum(n.op_type == "Cast" for n in proto.graph.node)
+
+
+def _parity(model, path, x):
+    report = keras_mp.verify_onnx(model, path, x, 0.0, np.inf)
+    return {"rel_l2": report.rel_l2, "max_abs_diff": report.max_abs_diff}
+
+
+def _row(name, build, data, folder):
+    keras.utils.set_random_seed(0)
+    model = build()
+    x = data(np.random.default_rng(0), SAMPLES)
+    refresh_batchnorm(model, x)
+    f32 = os.path.join(folder, f"{name}_f32.onnx")
+    keras_mp.export_onnx(model, f32)
+    base = onnx.load(f32)
+    row = {"nodes": len(base.graph.node)}
+    all16 = os.path.join(folder, f"{name}_all16.onnx")
+    try:
+        onnx.save(to_half(base, "float16"), all16)
+        row["all16"] = {
+            **_parity(model, all16, x),
+            "float32_nodes": 0,
+            "casts": _casts(onnx.load(all16)) - _casts(base),
+        }
+    except ValueError as e:
+        row["all16"] = {"error": str(e).split(":")[0]}
+    for dtype in ("float16", "bfloat16"):
+        path = os.path.join(folder, f"{name}_{dtype}.onnx")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            report = keras_mp.export_onnx(
+                model,
+                path,
+                dtype=dtype,
+                verify_data=x,
+                max_rel_l2=np.inf,
+                min_top1_agreement=0.0,
+            )
+        typed = keras_mp.typed_graph(path)
+        entry = {
+            "float32_nodes": len(typed.float32_nodes),
+            "by_reason": {k: len(v) for k, v in typed.by_reason().items()},
+            "casts": typed.casts,
+        }
+        if report is not None:
+            entry.update(rel_l2=report.rel_l2, max_abs_diff=report.max_abs_diff)
+        else:
+            entry["parity"] = "not run: no bfloat16 kernels in ORT CPU"
+        row[dtype] = entry
+    return row
+
+
+def _fmt(entry):
+    if "error" in entry:
+        return ["fails: " + entry["error"], "", "", ""]
+    parity = (
+        [f"{entry['rel_l2']:.2e}", f"{entry['max_abs_diff']:.3g}"]
+        if "rel_l2" in entry
+        else ["n/a (ORT)", "n/a"]
+    )
+    reasons = entry.get("by_reason")
+    kept = str(entry["float32_nodes"])
+    if reasons:
+        kept += " (" + ", ".join(f"{k} {v}" for k, v in reasons.items()) + ")"
+    return parity + [kept, str(entry["casts"])]
+
+
+def main():
+    names = list(ROWS)[:1] if "--quick" in sys.argv else list(ROWS)
+    results = {"samples": SAMPLES, "rows": {}}
+    with tempfile.TemporaryDirectory() as folder:
+        for name in names:
+            build, data = ROWS[name]
+            results["rows"][name] = _row(name, build, data, folder)
+            print(name, results["rows"][name], flush=True)
+    table = []
+    for name, row in results["rows"].items():
+        for variant, label in (
+            ("all16", "everything float16 (old fp16)"),
+            ("float16", "islands, float16"),
+            ("bfloat16", "islands, bfloat16"),
+        ):
+            table.append([name, label, *_fmt(row[variant])])
+    markdown = (
+        "Strongly typed graphs, float models, ONNX Runtime vs the float32 "
+        f"Keras model on {SAMPLES} random inputs (graph optimizations off).\n\n"
+        + markdown_table(
+            [
+                "model",
+                "graph",
+                "rel. L2",
+                "max abs diff",
+                "float32 nodes",
+                "Casts added",
+            ],
+            table,
+        )
+    )
+    write_results("typed", results, markdown)
+
+
+if __name__ == "__main__":
+    main()
