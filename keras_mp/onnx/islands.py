@@ -266,8 +266,9 @@ def find_islands(
         hits = [layers[id(layer)] for layer in path if id(layer) in layers]
         if hits and node.op_type not in _AFFINE_AT_INFERENCE:
             keep(node, "policy", hits[-1])
-        elif node.op_type in _SOFTMAX_OPS and path:
-            keep(node, "policy", f"layer {path[-1].name!r}: {_SOFTMAX}")
+        elif node.op_type in _SOFTMAX_OPS:
+            where = f"layer {path[-1].name!r}" if path else "no Keras layer"
+            keep(node, "policy", f"{where}: {_SOFTMAX}")
     _required_float32(nodes, producers, keep)
     if dtype == "bfloat16":
         for node in nodes:
