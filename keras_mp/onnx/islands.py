@@ -163,8 +163,8 @@ def _policy_layers(model):
         kind = type(layer).__name__
         if kind in (*_AFFINE_AT_INFERENCE, "InputLayer"):
             continue
-        if _keras.sublayers(layer):
-            continue
+        if next(walk_layers(layer), None) is not None:
+            continue  # sublayers (a keras_mp quantizer is not one)
         if mixed:
             if layer.compute_dtype == "float32":
                 found[id(layer)] = f"layer {layer.name!r}: float32 policy"

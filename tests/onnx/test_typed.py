@@ -274,6 +274,16 @@ def test_no_cast_between_dequantize_and_its_gemm(int8_cnn, tmp_path, dtype):
             source = producers.get(source.input[0])  # INT8 layout ops
         if source is not None:  # an activation pair: Q -> DQ, no Cast
             assert source.op_type == "QuantizeLinear", dq.name
+    islands = {e.node for e in keras_mp.typed_graph(path).float32_nodes}
+    _check_casts_at_boundaries(proto, islands)
+    if dtype == "float16":
+        # the output Dense (a quantized layer: its quantizers are not
+        # sublayers) and only the Q/DQ nodes tied to it
+        head = gemms[-1]
+        dqs = [producers[name] for name in head.input[:2]]
+        tied = [producers.get(dq.input[0]) for dq in dqs]
+        expected = {head.name} | {n.name for n in dqs + tied if n is not None}
+        assert islands == expected
 
 
 def test_bfloat16_graph_structure(encoder, tmp_path):
