@@ -75,9 +75,13 @@ def keras_layers_of(op_name, model):
     """The Keras layer path an op of the traced graph came from.
 
     TF names an op after the name scopes it was created in, and Keras opens
-    one scope per layer call (`functional/conv2d_1/convolution`): TF adds a
-    `_<n>` suffix when a scope name repeats, so a segment matches a layer
-    named either way.
+    one scope per layer call (`functional/conv2d_1/convolution`). The
+    scopes are matched level by level against the layers inside the layer
+    matched so far, so a namesake elsewhere (every keras-hub block has an
+    `ln_1`) is not a candidate. TF adds a `_<n>` suffix when a scope name
+    repeats, and the export's trace repeats every one (layer `dense`
+    writes `dense_1`, layer `dense_1` writes `dense_1_2`): the name without
+    its suffix is tried first, then the segment as it is.
 
     Args:
         op_name: str. A TF op (or ONNX node) name.
@@ -86,14 +90,25 @@ def keras_layers_of(op_name, model):
     Returns:
         The list of layer names, outermost first (empty when none matches).
     """
-    names = {layer.name for layer in walk_layers(model)} | {model.name}
+    return [layer.name for layer in keras_layer_path(op_name, model)]
+
+
+def keras_layer_path(op_name, model):
+    """`keras_layers_of` as the layer objects themselves."""
+    children = {id(model): {}}
+    for layer, parents in walk_layers(
+        model, include_models=True, with_parents=True
+    ):
+        parent = parents[-1] if parents else model
+        children.setdefault(id(parent), {}).setdefault(layer.name, layer)
     found = []
+    candidates = {model.name: model, **children[id(model)]}
     for segment in op_name.split("/")[:-1]:
         base = re.sub(r"_\d+$", "", segment)
-        if segment in names:
-            found.append(segment)
-        elif base in names:
-            found.append(base)
+        layer = candidates.get(base, candidates.get(segment))
+        if layer is not None:
+            found.append(layer)
+            candidates = children.get(id(layer), {})
     return found
 
 

@@ -16,7 +16,7 @@ import numpy as np
 from keras_mp import _keras, layer_table
 from keras_mp._compat import optional_import
 from keras_mp._models import walk_layers
-from keras_mp.onnx.convert import keras_layers_of
+from keras_mp.onnx.convert import keras_layer_path
 from keras_mp.onnx.fp16 import KEEP_FLOAT32_INPUTS
 from keras_mp.onnx.graph import (
     FLOAT,
@@ -48,6 +48,11 @@ _BFLOAT16_QDQ = "Q/DQ scales stay float32 in a bfloat16 graph"
 # folds into the convolution before it; a float32 island would put Casts
 # between them and block that fusion. Its values are still measured.
 _AFFINE_AT_INFERENCE = ("BatchNormalization",)
+# A softmax computed by a layer's own ops rather than a Softmax layer:
+# `keras.ops.dot_product_attention` (MultiHeadAttention without dropout)
+# upcasts the attention logits to float32 for it under mixed precision.
+_SOFTMAX_OPS = ("Softmax", "LogSoftmax")
+_SOFTMAX = "Keras computes its softmax in float32"
 
 
 @dataclasses.dataclass
@@ -142,10 +147,13 @@ def typed_graph(onnx_model):
 
 
 def _policy_layers(model):
-    """`{layer name: why}` of the layers that compute in float32 under
-    the model's policies: a mixed model's float32-policy layers; for a
-    float32 model, the layers `apply_mixed_precision` would keep float32
-    (normalization, softmax, the output layers), without BatchNorm."""
+    """`{id(layer): why}` of the layers that compute in float32 under the
+    model's policies: a mixed model's float32-policy layers; for a float32
+    model, the layers `apply_mixed_precision` would keep float32
+    (normalization, softmax, the output layers), without BatchNorm. Only
+    layers without sublayers: a layer with sublayers (a keras-hub encoder
+    making a backbone's output) runs its code in the policy, and its
+    float32 sublayers are found on their own."""
     from keras_mp.onnx.twin import half_compute_dtype
 
     mixed = half_compute_dtype(model) is not None
@@ -155,32 +163,34 @@ def _policy_layers(model):
         kind = type(layer).__name__
         if kind in (*_AFFINE_AT_INFERENCE, "InputLayer"):
             continue
+        if next(walk_layers(layer), None) is not None:
+            continue  # sublayers (a keras_mp quantizer is not one)
         if mixed:
-            if layer.compute_dtype == "float32" and not _keras.sublayers(layer):
-                found[layer.name] = f"layer {layer.name!r}: float32 policy"
+            if layer.compute_dtype == "float32":
+                found[id(layer)] = f"layer {layer.name!r}: float32 policy"
         elif layer_table.keeps_float32(layer):
-            found[layer.name] = (
+            found[id(layer)] = (
                 f"layer {layer.name!r}: mixed precision keeps {kind} float32"
             )
-        elif layer.name in outputs:
-            found[layer.name] = f"layer {layer.name!r}: output layer"
+        elif id(layer) in outputs:
+            found[id(layer)] = f"layer {layer.name!r}: output layer"
     return found
 
 
 def _output_layers(model):
-    """Names of the layers that make `model`'s outputs, looking inside the
+    """Ids of the layers that make `model`'s outputs, looking inside the
     graph models that make them (a quantized model's float model, a
     keras-hub backbone)."""
     keras = optional_import("keras")
-    names, stack = set(), [getattr(model, "model", model)]
+    found, stack = set(), [getattr(model, "model", model)]
     while stack:
         for tensor in getattr(stack.pop(), "outputs", None) or []:
             layer = _keras.producer(tensor)
             if isinstance(layer, keras.Model) and _keras.is_graph_model(layer):
                 stack.append(layer)
             elif layer is not None:
-                names.add(layer.name)
-    return names
+                found.add(id(layer))
+    return found
 
 
 def _measure(proto, data, samples):
@@ -252,9 +262,13 @@ def find_islands(
 
     layers = _policy_layers(model)
     for node in nodes:
-        hits = [n for n in keras_layers_of(node.name, model) if n in layers]
+        path = keras_layer_path(node.name, model)
+        hits = [layers[id(layer)] for layer in path if id(layer) in layers]
         if hits and node.op_type not in _AFFINE_AT_INFERENCE:
-            keep(node, "policy", layers[hits[-1]])
+            keep(node, "policy", hits[-1])
+        elif node.op_type in _SOFTMAX_OPS:
+            where = f"layer {path[-1].name!r}" if path else "no Keras layer"
+            keep(node, "policy", f"{where}: {_SOFTMAX}")
     _required_float32(nodes, producers, keep)
     if dtype == "bfloat16":
         for node in nodes:
@@ -278,7 +292,7 @@ def find_islands(
     if dtype == "float16":
         _beyond_float16(graph, consumers, keep)
     _tie_qdq(nodes, producers, consumers, found, keep)
-    _follow_layout(nodes, producers, found, keep, model)
+    _follow_layout(graph, producers, consumers, found, keep, model)
     order = {n.name: i for i, n in enumerate(nodes)}
     return dict(sorted(found.items(), key=lambda kv: order[kv[0]])), measured
 
@@ -361,18 +375,47 @@ def _tie_qdq(nodes, producers, consumers, found, keep):
                 changed = True
 
 
-def _follow_layout(nodes, producers, found, keep, model):
-    """Keeps a layout op that belongs to no Keras layer (tf2onnx's
-    Transposes) in float32 when every float input comes from float32
-    nodes: a Cast there would only move the boundary one op down."""
-    for node in nodes:
-        if node.name in found or node.op_type not in LAYOUT_OPS:
-            continue
-        if set(keras_layers_of(node.name, model)) - {model.name}:
-            continue
-        sources = [producers.get(node.input[0])] if node.input else []
-        if sources and all(s is not None and s.name in found for s in sources):
-            keep(node, "layout", f"after {sources[0].name}")
+def _follow_layout(graph, producers, consumers, found, keep, model):
+    """Keeps the layout ops that belong to no Keras layer (tf2onnx's
+    Transposes) in float32 when they only carry a float32 node's values to
+    float32 nodes or the graph's outputs: 16-bit there, they would need a
+    Cast on each side. One that feeds a 16-bit node stays 16-bit, and the
+    island's Cast goes before it, where it halves the bytes it moves."""
+    keras = optional_import("keras")
+    outputs = {o.name for o in graph.output}
+    follow = {
+        n.name: n
+        for n in graph.node
+        if n.op_type in LAYOUT_OPS
+        and n.name not in found
+        and n.input
+        and not any(
+            not isinstance(layer, keras.Model)
+            for layer in keras_layer_path(n.name, model)
+        )
+    }
+
+    def float32(name):
+        return name in found or name in follow
+
+    changed = True
+    while changed:
+        changed = False
+        for name, node in list(follow.items()):
+            source = producers.get(node.input[0])
+            readers = [c for o in node.output for c in consumers.get(o, [])]
+            if (
+                source is None
+                or not float32(source.name)
+                or not all(float32(c.name) for c in readers)
+                or not (readers or set(node.output) & outputs)
+            ):
+                del follow[name]
+                changed = True
+    for node in graph.node:
+        if node.name in follow:
+            source = producers[node.input[0]]
+            keep(node, "layout", f"after {source.name}")
 
 
 def apply_islands(proto, model, traced, dtype, data, max_magnitude):

@@ -3,6 +3,7 @@ float32 islands where the Keras policy, measured magnitudes or ONNX ask
 for them, Casts only at island boundaries and never between a
 DequantizeLinear and its GEMM; bfloat16 checked structurally."""
 
+import re
 import warnings
 
 import keras
@@ -119,6 +120,83 @@ def test_policy_and_magnitude_islands(encoder, tmp_path):
     assert {v.type.tensor_type.elem_type for v in proto.graph.output} == {FLOAT}
 
 
+def _transformer():
+    """Dense -> MultiHeadAttention -> LayerNorm -> Dense(gelu) -> Dense.
+    The input projection's scope is `proj_1` (TF suffixes every scope of
+    the trace), the name of the output layer: it must not be taken for
+    it. The attention's softmax is `ops.dot_product_attention`'s, not a
+    Softmax layer's."""
+    inputs = keras.Input((8, 16))
+    x = keras.layers.Dense(16, name="proj")(inputs)
+    x = keras.layers.MultiHeadAttention(2, 8, name="mha")(x, x)
+    x = keras.layers.LayerNormalization(name="norm")(x)
+    x = keras.layers.Dense(32, activation="gelu", name="ffn")(x)
+    return keras.Model(inputs, keras.layers.Dense(4, name="proj_1")(x))
+
+
+def test_transformer_islands_are_norm_softmax_and_output_only(tmp_path):
+    keras.utils.set_random_seed(0)
+    x = np.random.default_rng(0).random((16, 8, 16), "float32")
+    path = tmp_path / "t.onnx"
+    report = keras_mp.export_onnx(
+        _transformer(), path, dtype="float16", verify_data=x
+    )
+    assert report.rel_l2 <= 0.01
+    proto = onnx.load(path)
+    islands = {e.node: e for e in report.typed.float32_nodes}
+    # Expected from the node names alone: the LayerNorm's scope (`norm_<n>`),
+    # the output Dense's (`proj_1_<n>`), and the attention's Softmax.
+    scope = re.compile(r"^[^/]+/(norm|proj_1)_\d+/")
+    expected = {
+        n.name
+        for n in proto.graph.node
+        if not n.name.endswith("_Cast")
+        and (scope.match(n.name) or n.op_type == "Softmax")
+    }
+    assert set(islands) == expected
+    assert {e.reason for e in islands.values()} == {"policy"}
+    # the input projection, the attention's projections and the FFN: 16-bit
+    matmuls = [n.name for n in proto.graph.node if n.op_type == "MatMul"]
+    assert sum(name in islands for name in matmuls) == 1
+    assert len(islands) < len(proto.graph.node) / 4
+    _check_casts_at_boundaries(proto, islands)
+
+
+class _Block(keras.layers.Layer):
+    """A residual block as keras-hub writes them: its code, not a graph."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.inner = keras.layers.Dense(8, name="inner")
+        self.norm = keras.layers.LayerNormalization(name="ln")
+
+    def call(self, x):
+        return self.norm(x + self.inner(x))
+
+
+def test_layer_with_sublayers_making_the_output_is_not_an_island(tmp_path):
+    """A backbone whose output is a custom block's (ViT's encoder): only
+    the block's LayerNorm is float32, not its Dense nor its residual Add."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4, 8))
+    backbone = keras.Model(
+        inputs, _Block(name="block")(keras.layers.Dense(8)(inputs))
+    )
+    outer = keras.Input((4, 8))
+    model = keras.Model(outer, backbone(outer))
+    path = tmp_path / "b.onnx"
+    keras_mp.export_onnx(model, path, dtype="float16")
+    proto = onnx.load(path)
+    float32 = {e.node for e in keras_mp.typed_graph(path).float32_nodes}
+    norm = {
+        n.name
+        for n in proto.graph.node
+        if re.search(r"/block_\d+/ln_\d+/", n.name)
+        and not n.name.endswith("_Cast")
+    }
+    assert norm and float32 == norm
+
+
 def test_threshold_is_a_parameter(encoder, tmp_path):
     model, x = encoder
     report = keras_mp.export_onnx(
@@ -196,6 +274,16 @@ def test_no_cast_between_dequantize_and_its_gemm(int8_cnn, tmp_path, dtype):
             source = producers.get(source.input[0])  # INT8 layout ops
         if source is not None:  # an activation pair: Q -> DQ, no Cast
             assert source.op_type == "QuantizeLinear", dq.name
+    islands = {e.node for e in keras_mp.typed_graph(path).float32_nodes}
+    _check_casts_at_boundaries(proto, islands)
+    if dtype == "float16":
+        # the output Dense (a quantized layer: its quantizers are not
+        # sublayers) and only the Q/DQ nodes tied to it
+        head = gemms[-1]
+        dqs = [producers[name] for name in head.input[:2]]
+        tied = [producers.get(dq.input[0]) for dq in dqs]
+        expected = {head.name} | {n.name for n in dqs + tied if n is not None}
+        assert islands == expected
 
 
 def test_bfloat16_graph_structure(encoder, tmp_path):
