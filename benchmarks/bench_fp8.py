@@ -50,6 +50,7 @@ above 80% top-1 (full run; `--quick` trains on 4,096 images).
 import argparse
 import collections
 import os
+import re
 import sys
 import tempfile
 import time
@@ -86,7 +87,7 @@ QUICK = {
     "train_images": 4096,
     "test_images": 2000,
     "calib_images": 512,
-    "cnn_epochs": 1,
+    "cnn_epochs": 2,
     "transformer_epochs": 1,
     "seeds": 1,
     "chunk_steps": 8,
@@ -192,8 +193,14 @@ def onnx_formats(path):
 
 
 def export_row(model, path, xt, yt):
-    """`bench_sequence._export`'s figures plus `onnx_formats`."""
-    row = _export(model, path, xt, yt)
+    """`bench_sequence._export`'s figures plus `onnx_formats`, or
+    `{"error": <its first line>}` when the export fails (the run goes on
+    and the goals say so)."""
+    try:
+        row = _export(model, path, xt, yt)
+    except Exception as e:  # recorded, not hidden: see `verdicts`
+        text = re.sub(r"\S*\.onnx\b", "<file>", str(e))
+        return {"error": f"{type(e).__name__}: {text.strip()}"}
     row.pop("recurrent_onnx_ops")
     row["lint_violations"] = len(keras_mp.check_tensorrt(path).violations)
     row.update(onnx_formats(path))
@@ -201,13 +208,14 @@ def export_row(model, path, xt, yt):
 
 
 def int8_fallbacks(qmodel):
-    """The quantized layers of `qmodel` that are not FP8, with the note of
-    `quantization_report` (why TensorRT takes them in INT8)."""
+    """The layers of `qmodel` asked in FP8 that are quantized in another
+    format, with the note of `quantization_report` (why TensorRT takes
+    them in INT8)."""
     rows = keras_mp.quantization_report(qmodel, verbose=False)
     return [
         {"path": r["path"], "type": r["type"], "note": r["note"]}
         for r in rows
-        if r["quantized"] and r.get("format") != "fp8"
+        if r["quantized"] and r.get("format") != "fp8" and r["note"]
     ]
 
 
@@ -263,7 +271,7 @@ def measure_model(
             "delta_vs_float32_points": round(acc - out["float32_top1"], 2),
             "calibration_seconds": round(calib_s, 2),
             "layers_by_format": formats_by_layer(qmodel),
-            "not_fp8": int8_fallbacks(qmodel) if "fp8" in label else [],
+            "not_fp8": int8_fallbacks(qmodel),
         }
         qmodels[label] = qmodel
         path = os.path.join(directory, f"{name}_{label}.onnx")
@@ -414,15 +422,26 @@ def verdicts(run):
     limit = GOALS["max_rel_l2"]
     for name in ("cnn", "transformer"):
         rows = [(lb, r) for n, lb, r in quantized_exports(run) if n == name]
-        worst_label, worst = max(rows, key=lambda item: item[1]["rel_l2"])
-        found[f"{name}_ort_parity_rel_l2"] = (
-            worst["rel_l2"] <= limit,
+        failed = [lb for lb, r in rows if "error" in r]
+        rows = [(lb, r) for lb, r in rows if "error" not in r]
+        worst_label, worst = max(
+            rows, key=lambda item: item[1]["rel_l2"], default=("-", None)
+        )
+        largest = worst["rel_l2"] if worst else float("nan")
+        text = (
             f"{name}: largest ORT relative L2 over {len(rows)} quantized "
-            f"exports {worst['rel_l2']:.2e} ({worst_label}; goal <= "
-            f"{limit:g})",
+            f"exports {largest:.2e} ({worst_label}; goal <= {limit:g})"
+        )
+        if failed:
+            text += "; export failed: " + ", ".join(failed)
+        found[f"{name}_ort_parity_rel_l2"] = (
+            largest <= limit and not failed,
+            text,
         )
     unclean = [
-        f"{n} {lb}" for n, lb, r in quantized_exports(run) if not r["lint_ok"]
+        f"{n} {lb}"
+        for n, lb, r in quantized_exports(run)
+        if not r.get("lint_ok", True)
     ]
     found["lint_clean"] = (
         not unclean,
@@ -448,6 +467,8 @@ def _formats_text(row):
 
 
 def _export_cells(o):
+    if "error" in o:
+        return ("export failed (below)", *[""] * 6)
     return (
         f"{o['ort_top1']:.2f}",
         f"{o['rel_l2']:.2e}",
@@ -507,6 +528,14 @@ def _model_rows(name, r):
             )
         )
     return [(name, *row) for row in rows]
+
+
+def _fallback_text(rows):
+    """Layers with the same note under one note: "stem, dw: <note>"."""
+    by_note = collections.defaultdict(list)
+    for row in rows:
+        by_note[row["note"]].append(f"`{row['path']}`")
+    return "; ".join(f"{', '.join(p)}: {n}" for n, p in by_note.items()) or "-"
 
 
 def _markdown(results):
@@ -582,8 +611,7 @@ def _markdown(results):
             name,
             label,
             ", ".join(f"{k} {v}" for k, v in p["layers_by_format"].items()),
-            "; ".join(f"`{f['path']}`: {f['note']}" for f in p["not_fp8"])
-            or "-",
+            _fallback_text(p["not_fp8"]),
         )
         for name in ("cnn", "transformer")
         for label, p in run[name]["ptq"].items()
@@ -593,6 +621,15 @@ def _markdown(results):
         ("model", "variant", "layers by format", "not FP8 (report note)"),
         fallback_rows,
     )
+    failures = "".join(
+        f"- {name} {label}: {row['error'][:400]}\n"
+        for name, label, row in quantized_exports(run)
+        if "error" in row
+    )
+    if failures:
+        failures = (
+            "\n\nExports that failed (first 400 characters):\n\n" + failures
+        )
     goals = markdown_table(
         ("goal", "result", "measured"),
         [
@@ -611,6 +648,7 @@ def _markdown(results):
         + "\n\nLayers of the FP8 and mixed models that TensorRT runs in INT8 "
         "(`quantization_report`):\n\n"
         + fallback
+        + failures.rstrip()
         + "\n\nGoals, as measured:\n\n"
         + goals
         + f"\n\nRun time: {run['seconds']:.0f} s."
@@ -623,7 +661,7 @@ def main():
         "--quick",
         action="store_true",
         help=f"smoke run: {QUICK['train_images']} training and "
-        f"{QUICK['test_images']} test images, one epoch, one seed",
+        f"{QUICK['test_images']} test images, 1-2 epochs, one seed",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
