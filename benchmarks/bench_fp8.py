@@ -22,7 +22,8 @@ ONNX.
   (Adam, cosine decay from 1e-4, frozen ranges) against a float32 control
   fine-tuned the same epoch on the same batches in the same order with the
   same optimizer; the two alternate every 47 steps
-  (`_timing.interleaved_fit`), mean over `--seeds` batch orders;
+  (`bench_quantization.interleaved_finetune`), mean over `--seeds` batch
+  orders;
 - which layers of an FP8 model run INT8 instead (TensorRT has no FP8
   kernel for a conv with <= 16 channels in or out or > 32 filter taps):
   the `note` of `quantization_report`;
@@ -36,7 +37,9 @@ ONNX.
 - ModelOpt: `python -m modelopt.onnx.quantization --quantize_mode=fp8`
   (max calibration, on CPU) on the float32 ONNX keras_mp exported, with
   the same calibration images (`bench_zoo.measure_modelopt`), in the venv
-  `--modelopt` (skipped, with the reason, when it does not exist); its top-1
+  `--modelopt` (default: `benchmarks/.venv-modelopt`, which
+  `bench_peers.py --setup` builds, else `/tmp/venv-modelopt`; skipped,
+  with the reason, when it does not exist); its top-1
   with ONNX Runtime optimizations off and its formats counted the same way.
 
 Goals (the FP8 issue, PASS or FAIL as measured): ORT parity (optimizations
@@ -60,20 +63,23 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
-from _timing import interleaved_fit, paired_ratio  # noqa: E402
+from _timing import paired_ratio  # noqa: E402
+from bench_quantization import interleaved_finetune  # noqa: E402
 from bench_sequence import _export, _ort_top1, top1  # noqa: E402
+from bench_zoo import MODELOPT_VENV as BENCH_ZOO_VENV  # noqa: E402
 from bench_zoo import measure_modelopt  # noqa: E402
 
 import keras_mp  # noqa: E402
-from keras_mp.reference import (  # noqa: E402
-    compile_classifier,
-    cosine_adam,
-    reference_cnn,
-)
+from keras_mp.reference import compile_classifier, reference_cnn  # noqa: E402
 
 BATCH = 128
 WIDTH = 16
-MODELOPT_VENV = "/tmp/venv-modelopt"
+# ModelOpt's venv: the one `bench_peers.py --setup` builds, else this
+# machine's shared one.
+MODELOPT_VENV = next(
+    (v for v in (BENCH_ZOO_VENV, "/tmp/venv-modelopt") if os.path.isdir(v)),
+    BENCH_ZOO_VENV,
+)
 FULL = {
     "train_images": 60000,
     "test_images": 10000,
@@ -94,7 +100,7 @@ QUICK = {
 }
 FP8 = keras_mp.QuantizeConfig(precision="fp8")
 # label -> (quantize_model keyword arguments, calibrate keyword arguments)
-CNN_VARIANTS = {
+BOTH_MODELS = {
     "int8_max": ({}, {"method": "max"}),
     "int8_percentile_99.99": ({}, {"method": "percentile"}),
     "fp8_max": ({"precision": "fp8"}, {"method": "max"}),
@@ -102,17 +108,14 @@ CNN_VARIANTS = {
         {"precision": "fp8"},
         {"method": "percentile", "percentile": 99.9},
     ),
+}
+CNN_VARIANTS = {
+    **BOTH_MODELS,
     "fp8_mse": ({"precision": "fp8"}, {"method": "mse"}),
 }
 QAT_START = "fp8_percentile_99.9"
 TRANSFORMER_VARIANTS = {
-    "int8_max": ({}, {"method": "max"}),
-    "int8_percentile_99.99": ({}, {"method": "percentile"}),
-    "fp8_max": ({"precision": "fp8"}, {"method": "max"}),
-    "fp8_percentile_99.9": (
-        {"precision": "fp8"},
-        {"method": "percentile", "percentile": 99.9},
-    ),
+    **BOTH_MODELS,
     "mixed_mha_fp8_rest_int8_max": (
         {"config": {r"block\d+_mha": FP8}},
         {"method": "max"},
@@ -304,6 +307,11 @@ def qat_vs_control(fmodel, x, y, xt, yt, xc, setting, seed, directory):
     the first seed's QAT model exported."""
     quantize_kw, calibrate_kw = CNN_VARIANTS[QAT_START]
     float_weights = fmodel.get_weights()
+    # bench_quantization's fine-tune: cosine decay from 1e-4, the two
+    # models alternating every `chunk_steps` steps.
+    schedule = argparse.Namespace(
+        finetune_lr=1e-4, chunk_steps=setting["chunk_steps"]
+    )
     runs = []
     for fseed in range(seed + 1, seed + 1 + setting["seeds"]):
         order = np.random.default_rng(fseed).permutation(len(x))
@@ -314,15 +322,11 @@ def qat_vs_control(fmodel, x, y, xt, yt, xc, setting, seed, directory):
         control.set_weights(float_weights)
         qat = keras_mp.quantize_model(fmodel, **quantize_kw)
         keras_mp.calibrate(qat, xc, batch_size=BATCH, verbose=0, **calibrate_kw)
-        for model in (control, qat):
-            compile_classifier(model, optimizer=cosine_adam(steps, 1e-4))
-        timers = interleaved_fit(
-            {"control": (control, []), "qat": (qat, [])},
-            xf,
-            yf,
-            BATCH,
-            steps,
-            setting["chunk_steps"],
+        timers = dict(
+            zip(
+                ("control", "qat"),
+                interleaved_finetune(control, qat, xf, yf, schedule, steps),
+            )
         )
         _, per_turn, _ = paired_ratio(timers, "control", "qat")
         run = {
