@@ -50,6 +50,18 @@ def _seed_and_policy():
     keras.mixed_precision.set_global_policy("float32")
 
 
+@pytest.fixture(autouse=True)
+def _small_gemm_rule(request, monkeypatch):
+    """Most tests build tiny layers (Dense(4)) to test other features:
+    keras_mp's default rule would leave every GEMM with K or N below 16
+    float (`placement.MIN_GEMM_DIM`), so it is off for them. Tests marked
+    `gemm_rule`, and every benchmark and example, run the default."""
+    if request.node.get_closest_marker("gemm_rule") is None:
+        from keras_mp.quantization import placement
+
+        monkeypatch.setattr(placement, "MIN_GEMM_DIM", 0)
+
+
 @pytest.fixture(scope="session")
 def fashion_mnist():
     """Real Fashion-MNIST, full arrays, loaded once per session."""

@@ -15,7 +15,14 @@ import numpy as np
 
 from keras_mp._compat import optional_import
 from keras_mp.onnx.errors import ExportError
-from keras_mp.onnx.graph import QDQ_OPS, UINT8, subgraphs, walk
+from keras_mp.onnx.graph import (
+    FLOAT,
+    LAYOUT_OPS,
+    QDQ_OPS,
+    UINT8,
+    subgraphs,
+    walk,
+)
 
 # How far tf2onnx's float32 carrier scale, `float32(amax * 255 / qmax) /
 # 255`, may lie from the quantizer's `amax / qmax` (a few float32 ulps).
@@ -121,6 +128,7 @@ def retype_carriers(model_proto, model):
             )
         if description not in retyped:
             retyped.append(description)
+    _dq_after_layout(model_proto.graph, set(codes))
     graphs = [model_proto.graph] + [
         sub for n, _, _ in walk(model_proto.graph) for sub in subgraphs(n)
     ]
@@ -129,3 +137,78 @@ def retype_carriers(model_proto, model):
             if info.name in codes:
                 info.type.tensor_type.elem_type = codes[info.name]
     return retyped
+
+
+def _dq_after_layout(graph, codes):
+    """Moves each QuantizeLinear writing one of `codes` past the layout ops
+    tf2onnx put between it and its DequantizeLinear (`Q -> Transpose ->
+    DQ` becomes `Transpose -> Q -> DQ`, one Q per DQ reached): ONNX types
+    Transpose, Reshape, ... for FP8 only from opset 21, and TensorRT wants
+    each Q next to its DQ. Activation Q/DQ are per tensor, so the move
+    changes no value."""
+    consumers = {}
+    for node in graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+    floats = set()  # layout outputs that now carry float values
+    for q in [n for n in graph.node if n.op_type == "QuantizeLinear"]:
+        if q.output[0] not in codes or attr_axis_set(q):
+            continue
+        chains = []
+        for first in consumers.get(q.output[0], []):
+            chain, node = [], first
+            while node.op_type in LAYOUT_OPS:
+                chain.append(node)
+                nxt = consumers.get(node.output[0], [])
+                if len(nxt) != 1:
+                    break
+                node = nxt[0]
+            if chain and node.op_type == "DequantizeLinear":
+                chains.append((chain, node))
+        for i, (chain, dq) in enumerate(chains):
+            chain[0].input[0] = q.input[0]
+            floats.update(n.output[0] for n in chain)
+            moved = graph.node.add()
+            moved.CopyFrom(q)
+            moved.name = f"{q.name}_after_{chain[-1].name}"
+            moved.input[0] = chain[-1].output[0]
+            moved.output[0] = f"{q.output[0]}_after_{i}"
+            dq.input[0] = moved.output[0]
+        if chains and not any(
+            q.output[0] in n.input for n in graph.node if n is not q
+        ):
+            graph.node.remove(q)
+    for info in graph.value_info:
+        if info.name in floats:
+            info.type.tensor_type.elem_type = FLOAT
+    _sort(graph)
+
+
+def attr_axis_set(node):
+    return any(a.name == "axis" for a in node.attribute)
+
+
+def _sort(graph):
+    """Orders `graph.node` topologically (stable for nodes already in
+    order); outer-scope and initializer names count as available."""
+    produced = {o for n in graph.node for o in n.output}
+    ready = set()
+    pending, ordered = list(graph.node), []
+    while pending:
+        rest = []
+        for node in pending:
+            if all(
+                i == "" or i not in produced or i in ready for i in node.input
+            ):
+                ordered.append(node)
+                ready.update(node.output)
+            else:
+                rest.append(node)
+        if len(rest) == len(pending):  # a cycle: leave the order as it was
+            return
+        pending = rest
+    copies = [type(n)() for n in ordered]
+    for copy, node in zip(copies, ordered):
+        copy.CopyFrom(node)
+    del graph.node[:]
+    graph.node.extend(copies)

@@ -24,6 +24,7 @@ from keras_mp.onnx.graph import (
     input_channel_axis,
     output_channel_axis,
 )
+from keras_mp.quantization import placement
 from keras_mp.quantization.placement import (
     COMMUTING_OPS,
     DATA_MOVEMENT_OPS,
@@ -353,15 +354,34 @@ def _rule_partial_quantization(graph):
             )
 
 
+def _small_gemm(graph, op):
+    """Whether `op` is a MatMul/Gemm with a constant weight whose K or N is
+    below `placement.MIN_GEMM_DIM`: float by design (no faster quantized)."""
+    if op.op_type not in ("MatMul", "Gemm") or len(op.input) < 2:
+        return False
+    array = graph.trace(op.input[1]).array
+    return (
+        array is not None
+        and array.ndim >= 2
+        and (min(array.shape[-2:]) < placement.MIN_GEMM_DIM)
+    )
+
+
 def _rule_float_weighted_ops(graph):
     """In a graph with Q/DQ, the weighted ops with neither input quantized:
     legal, but TensorRT runs them in float (one finding for all of them).
     Recurrent ops (LSTM, GRU, RNN) and weighted ops inside Loop/Scan/If
     bodies count among them: TensorRT runs those in float whatever Q/DQ
-    surrounds them (`GraphIndex.float_weighted`)."""
+    surrounds them (`GraphIndex.float_weighted`). A MatMul/Gemm whose
+    weight has K or N below 16 does not: it is float by design
+    (`placement.MIN_GEMM_DIM`)."""
     if not any(node.op_type in QDQ_OPS for node in graph.nodes):
         return
-    left = [op for op in graph.weighted if not any(graph.quantized_inputs(op))]
+    left = [
+        op
+        for op in graph.weighted
+        if not any(graph.quantized_inputs(op)) and not _small_gemm(graph, op)
+    ]
     left += [op for op, _ in graph.float_weighted]
     if not left:
         return

@@ -51,6 +51,10 @@ class QuantizeConfig:
             False leaves that matmul in float (a pairwise dot of two
             vectors is a GEMV, which ModelOpt's ONNX PTQ leaves in float).
             Defaults to True.
+        small_gemms: bool. Quantize a Dense or EinsumDense whose GEMM has
+            K or N below 16 (a 10-class head) too. TensorRT's INT8 and FP8
+            kernels are no faster than float there and ModelOpt leaves
+            them float, as keras_mp does by default. Defaults to False.
 
     Raises:
         ValueError: `num_bits` is not an integer in [2, 8], an unknown
@@ -72,6 +76,7 @@ class QuantizeConfig:
     attention: bool = True
     dot: bool = True
     precision: str = "int8"
+    small_gemms: bool = False
 
     def __post_init__(self):
         if not isinstance(self.num_bits, int) or not 2 <= self.num_bits <= 8:

@@ -12,6 +12,7 @@ import warnings
 import keras
 
 from keras_mp import _keras, _models, _record, layer_table
+from keras_mp.quantization import placement
 from keras_mp.quantization.config import QuantizeConfig
 from keras_mp.quantization.layers import quantizable_row
 from keras_mp.quantization.recipe import apply_recipe, make_recipe
@@ -145,6 +146,19 @@ def _nothing_to_quantize(model, layers):
                 f" It matches {shown}: neither these types nor any layer "
                 "inside them can be quantized."
             )
+    small = [
+        layer.name
+        for layer, _ in _models.walk(model)
+        if placement.small_gemm(layer)
+    ]
+    if small:
+        shown = ", ".join(small[:8]) + (", ..." if len(small) > 8 else "")
+        matched += (
+            f" Dense/EinsumDense layers with K or N below "
+            f"{placement.MIN_GEMM_DIM} stay float ({shown}): TensorRT runs "
+            "them no faster quantized; QuantizeConfig(small_gemms=True) "
+            "quantizes them anyway."
+        )
     return ValueError(
         f"No quantizable layer in model {model.name!r} matches "
         f"layers={layers!r}.{matched} Supported types: "

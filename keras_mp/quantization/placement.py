@@ -229,6 +229,39 @@ def weight_axes(layer, weight, config):
     return weight.out_axes
 
 
+# TensorRT's INT8 and FP8 GEMM kernels are no faster than float when K or N
+# is below 16 (ModelOpt's ONNX PTQ, `graph_utils.py`
+# `find_nodes_from_matmul_to_exclude`, `_MIN_MATMUL_DIM = 16`): such a
+# Dense or EinsumDense gets no Q/DQ (a 10-class head stays float).
+MIN_GEMM_DIM = 16
+
+
+def small_gemm(layer):
+    """Why the Dense or EinsumDense `layer` is too small for a quantized
+    GEMM (K or N below `MIN_GEMM_DIM`), or ""."""
+    if not isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense)):
+        return ""
+    kernel = getattr(layer, "kernel", None)
+    if kernel is None or not layer.built:
+        return ""
+    size = 1
+    for dim in kernel.shape:
+        size *= int(dim)
+    if isinstance(layer, keras.layers.EinsumDense):
+        n = layer_table.output_channels(layer, kernel)
+    else:
+        n = int(kernel.shape[-1])
+    k = size // max(n, 1)
+    if min(k, n) >= MIN_GEMM_DIM:
+        return ""
+    # `QuantizeConfig(small_gemms=True)` quantizes it anyway
+    return (
+        f"GEMM with K={k}, N={n}: no Q/DQ below {MIN_GEMM_DIM} (TensorRT's "
+        "INT8/FP8 kernels are no faster than float there; ModelOpt skips "
+        "them too)"
+    )
+
+
 def fixed_range(fmt, matmul_input):
     """The range of an attention matmul input no calibration changes, or
     None: an FP8 softmax output (`"probs"`, in [0, 1]) takes the fixed
@@ -261,7 +294,7 @@ def decide(walked, choices, calls):
             projections.update(
                 id(p) for p in _keras.attention_projections(layer) if p
             )
-    decided, shared, unused = [], [], []
+    decided, shared, unused, small = [], [], [], []
     for index, config in sorted(choices.items()):
         layer, _ = walked[index]
         row = quantizable_row(layer)
@@ -280,6 +313,13 @@ def decide(walked, choices, calls):
             if not inputs and not config.attention:
                 continue
         else:
+            if (
+                id(layer) not in projections
+                and not config.small_gemms
+                and small_gemm(layer)
+            ):
+                small.append(layer.name)
+                continue  # stays float; `quantization_report` says why
             inputs = []
             if id(layer) not in projections:
                 inputs = input_placement(layer, row, config)

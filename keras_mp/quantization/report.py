@@ -100,6 +100,9 @@ def _float_note(layer):
         )
     if row is None:
         return "not a quantizable type: runs in float"
+    small = placement.small_gemm(layer)
+    if small:
+        return small
     if row.matmul:
         return (
             "matmul of two activations runs in float: not selected, or "

@@ -1,0 +1,153 @@
+"""FP8 export: FLOAT8E4M3FN Q/DQ at opset 19, FP8 weight initializers whose
+DequantizeLinear feeds the GEMM, ONNX Runtime parity on trained networks
+(scikit-learn's digits), INT8 and FP8 mixed in one graph."""
+
+import os
+
+import keras
+import numpy as np
+import onnx
+import pytest
+
+import keras_mp
+from keras_mp.onnx.errors import ExportError
+
+FP8, INT8 = onnx.TensorProto.FLOAT8E4M3FN, onnx.TensorProto.INT8
+
+
+def _cnn():
+    inputs = keras.Input((8, 8, 1))
+    x = keras.layers.Conv2D(32, 3, padding="same", activation="relu")(inputs)
+    x = keras.layers.Conv2D(32, 3, padding="same", activation="relu")(x)
+    x = keras.layers.MaxPooling2D()(x)
+    x = keras.layers.Conv2D(64, 3, padding="same", activation="relu")(x)
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    x = keras.layers.Dense(64, activation="relu")(x)
+    return keras.Model(inputs, keras.layers.Dense(10)(x), name="cnn")
+
+
+def _transformer():
+    inputs = keras.Input((8, 8, 1))
+    x = keras.layers.Reshape((8, 8))(inputs)
+    x = keras.layers.Dense(32, name="embed")(x)
+    a = keras.layers.MultiHeadAttention(2, 16, name="mha")(x, x)
+    x = keras.layers.LayerNormalization()(x + a)
+    h = keras.layers.Dense(64, activation="gelu", name="fc1")(x)
+    x = keras.layers.LayerNormalization()(x + keras.layers.Dense(32)(h))
+    x = keras.layers.GlobalAveragePooling1D()(x)
+    return keras.Model(inputs, keras.layers.Dense(10)(x), name="block")
+
+
+@pytest.fixture(scope="module")
+def trained(digits):
+    (x, y), (xt, _) = digits
+    models = {}
+    for make in (_cnn, _transformer):
+        keras.utils.set_random_seed(0)
+        model = make()
+        model.compile(
+            keras.optimizers.Adam(3e-3),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+        )
+        model.fit(x, y, epochs=8, batch_size=64, verbose=0)
+        models[model.name] = model
+    return models, x[:512], xt
+
+
+def _zero_point_types(path):
+    proto = onnx.load(path)
+    inits = {i.name: i for i in proto.graph.initializer}
+    types = {}
+    for node in proto.graph.node:
+        if node.op_type in ("QuantizeLinear", "DequantizeLinear"):
+            types[node.name] = inits[node.input[2]].data_type
+    return proto, types
+
+
+@pytest.mark.parametrize("name", ["cnn", "block"])
+def test_fp8_export_matches_onnx_runtime_on_a_trained_network(
+    name, trained, tmp_path
+):
+    models, calibration, test = trained
+    qmodel = keras_mp.quantize_model(models[name], precision="fp8")
+    keras_mp.calibrate(qmodel, calibration, verbose=0)
+    path = str(tmp_path / f"{name}.onnx")
+    with pytest.warns(UserWarning, match="exported at opset 19"):
+        report = keras_mp.export_onnx(qmodel, path, verify_data=test)
+    assert report.rel_l2 <= 1e-2 and report.top1_agreement >= 0.99, report
+    assert "FP8 graph" in report.note
+    proto, types = _zero_point_types(path)
+    assert max(o.version for o in proto.opset_import if o.domain == "") == 19
+    assert FP8 in types.values()
+    # FP8 weights are FP8 initializers whose DQ feeds the GEMM directly
+    producers = {o: n for n in proto.graph.node for o in n.output}
+    inits = {i.name: i for i in proto.graph.initializer}
+    gemms = [
+        n for n in proto.graph.node if n.op_type in ("Conv", "MatMul", "Gemm")
+    ]
+    fp8_weights = 0
+    for op in gemms:
+        dq = producers.get(op.input[1])
+        if dq is not None and dq.op_type == "DequantizeLinear":
+            codes = inits.get(dq.input[0])
+            fp8_weights += codes is not None and codes.data_type == FP8
+    assert fp8_weights >= 2
+    # no weight is quantized at run time: every Q reads an activation
+    assert not [
+        n
+        for n in proto.graph.node
+        if n.op_type == "QuantizeLinear" and n.input[0] in inits
+    ]
+    assert keras_mp.check_tensorrt(path).ok
+
+
+def test_fp8_softmax_output_is_exported_with_scale_1_over_448(
+    trained, tmp_path
+):
+    models, calibration, _ = trained
+    qmodel = keras_mp.quantize_model(models["block"], precision="fp8")
+    keras_mp.calibrate(qmodel, calibration, verbose=0)
+    path = str(tmp_path / "block.onnx")
+    with pytest.warns(UserWarning, match="opset 19"):
+        keras_mp.export_onnx(qmodel, path)
+    proto, types = _zero_point_types(path)
+    inits = {
+        i.name: onnx.numpy_helper.to_array(i) for i in proto.graph.initializer
+    }
+    (softmax,) = [n for n in proto.graph.node if n.op_type == "Softmax"]
+    q = softmax  # the softmax output's Q, past tf2onnx's head transposes
+    while q.op_type != "QuantizeLinear":
+        (q,) = [n for n in proto.graph.node if q.output[0] in n.input]
+    assert types[q.name] == FP8
+    assert inits[q.input[1]] == np.float32(1.0) / np.float32(448)
+
+
+def test_int8_and_fp8_layers_mix_in_one_graph(trained, tmp_path):
+    models, calibration, test = trained
+    qmodel = keras_mp.quantize_model(
+        models["block"],
+        config={"mha|fc1": keras_mp.QuantizeConfig(precision="fp8")},
+    )
+    keras_mp.calibrate(qmodel, calibration, verbose=0)
+    path = str(tmp_path / "mixed.onnx")
+    with pytest.warns(UserWarning, match="opset 19"):
+        report = keras_mp.export_onnx(qmodel, path, verify_data=test)
+    assert report.rel_l2 <= 1e-2, report
+    _, types = _zero_point_types(path)
+    assert {FP8, INT8} <= set(types.values())
+    assert keras_mp.check_tensorrt(path).ok
+
+
+def test_fp8_with_a_lower_explicit_opset_is_refused_before_writing(
+    trained, tmp_path
+):
+    models, calibration, _ = trained
+    qmodel = keras_mp.quantize_model(models["cnn"], precision="fp8")
+    keras_mp.calibrate(qmodel, calibration, verbose=0)
+    path = str(tmp_path / "low.onnx")
+    with pytest.raises(
+        ExportError, match="need opset >= 19. Received: opset=17"
+    ):
+        keras_mp.export_onnx(qmodel, path, opset=17)
+    assert not os.listdir(tmp_path)
