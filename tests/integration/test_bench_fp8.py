@@ -30,8 +30,12 @@ def test_fp8_benchmark_quick(tmp_path):
     for name, label, row in quantized_exports(run):
         assert "error" not in row, (name, label, row)
         assert row["samples"] == QUICK["test_images"]
-        assert row["weighted_ops_quantized"] == row["weighted_ops"]
-        assert row["weighted_float"] == row["weighted_mixed"] == 0
+        # every Conv/MatMul/Gemm is FP8, INT8, or float as a whole (float:
+        # the GEMMs TensorRT runs in float, such as the 10-logit head)
+        assert row["weighted_mixed"] == 0
+        assert (
+            row["weighted_fp8"] + row["weighted_int8"] > row["weighted_float"]
+        )
         # an INT8 model writes no FP8 Q/DQ; an FP8 or mixed one writes both
         # (TensorRT's FP8 conv rules and the INT8 layers of the mix)
         assert (row["qdq_fp8"] > 0) == (not label.startswith("int8")), label
