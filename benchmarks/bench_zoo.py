@@ -448,8 +448,8 @@ def _onnx_input_names(path):
     return [i.name for i in graph.input if i.name not in constants]
 
 
-def measure_modelopt(float_path, x, venv, timeout=1800):
-    """ModelOpt's ONNX PTQ (int8, max calibration on `x`) of the float ONNX
+def measure_modelopt(float_path, x, venv, timeout=1800, quantize_mode="int8"):
+    """ModelOpt's ONNX PTQ (max calibration on `x`) of the float ONNX
     keras_mp exported, linted like ours.
 
     Args:
@@ -459,10 +459,13 @@ def measure_modelopt(float_path, x, venv, timeout=1800):
             keras_mp calibrated on.
         venv: str. The ModelOpt venv (`bench_peers.py --setup` builds it).
         timeout: float. Seconds before ModelOpt is stopped.
+        quantize_mode: str. ModelOpt's `--quantize_mode`, `"int8"` or
+            `"fp8"`. Defaults to `"int8"`.
 
     Returns:
         dict of `modelopt_<key>` for each key of `placement`, plus
-        `modelopt_error` (None when it ran) and `modelopt_seconds`.
+        `modelopt_error` (None when it ran), `modelopt_seconds` and
+        `modelopt_onnx` (its file, beside `float_path`, when it ran).
     """
     sys.path.insert(0, os.path.join(HERE, "peers"))
     from modelopt_peer import run_modelopt
@@ -479,9 +482,16 @@ def measure_modelopt(float_path, x, venv, timeout=1800):
     names = _onnx_input_names(float_path)
     feed = dict(x) if isinstance(x, dict) else {names[0]: x}
     np.savez(stem + "_calib.npz", **feed)
-    dst = stem + "_modelopt_max.onnx"
+    mode = "" if quantize_mode == "int8" else f"_{quantize_mode}"
+    dst = f"{stem}_modelopt{mode}_max.onnx"
     entry = run_modelopt(
-        python, float_path, stem + "_calib.npz", "max", dst, timeout
+        python,
+        float_path,
+        stem + "_calib.npz",
+        "max",
+        dst,
+        timeout,
+        quantize_mode,
     )
     row["modelopt_seconds"] = entry["seconds"]
     if not entry["ok"]:
@@ -489,6 +499,7 @@ def measure_modelopt(float_path, x, venv, timeout=1800):
         row["modelopt_error"] = f"{entry['returncode']}: {lines[-1]}"
         return row
     row.update({f"modelopt_{k}": v for k, v in placement(dst).items()})
+    row["modelopt_onnx"] = dst
     return row
 
 

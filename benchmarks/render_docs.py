@@ -26,6 +26,7 @@ SECTIONS = [
     ("sequence", "LSTM and GRU on Fashion-MNIST rows (issue 23)"),
     ("hub", "keras-hub backbones, one row per class (issue 23)"),
     ("typed", "Strongly typed graphs (issue 24)"),
+    ("fp8", "FP8 E4M3 beside INT8, and ModelOpt FP8"),
 ]
 
 

@@ -8,7 +8,7 @@ as `calib_modelopt.npz` (keyed by the ONNX input name) and runs, per
 calibration method,
 
     <venv>/bin/python -m modelopt.onnx.quantization --onnx_path=float.onnx
-        --quantize_mode=int8 --calibration_data_path=calib_modelopt.npz
+        --quantize_mode=<int8|fp8> --calibration_data_path=calib_modelopt.npz
         --calibration_method=<entropy|max> --calibration_eps cpu
         --high_precision_dtype fp32 --output_path=modelopt_<method>.onnx
 
@@ -17,7 +17,11 @@ default ModelOpt converts the rest of an fp32 graph to fp16; every other
 peer keeps float32 there, so this does too. A failure (no venv, install or
 run error) is recorded with its error text.
 
-Writes `modelopt.json` in the work folder.
+`--quantize-mode fp8` runs ModelOpt's FP8 E4M3 PTQ instead (max
+calibration only: ModelOpt's FP8 mode takes its ranges from amax) and
+names its files `modelopt_fp8_*`.
+
+Writes `modelopt.json` (`modelopt_fp8.json`) in the work folder.
 """
 
 import argparse
@@ -31,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numpy as np  # noqa: E402
 from _peer_common import load_data, write_json  # noqa: E402
 
-METHODS = ("entropy", "max")
+METHODS = {"int8": ("entropy", "max"), "fp8": ("max",)}
 VERSION_PROBE = """
 import importlib.metadata as m
 for p in ("nvidia-modelopt", "torch", "onnx", "onnxruntime-gpu", "onnxruntime"):
@@ -42,8 +46,10 @@ for p in ("nvidia-modelopt", "torch", "onnx", "onnxruntime-gpu", "onnxruntime"):
 """
 
 
-def run_modelopt(python, onnx_path, calib_path, method, dst, timeout):
-    """Runs ModelOpt's ONNX PTQ (int8) on `onnx_path` in its own venv.
+def run_modelopt(
+    python, onnx_path, calib_path, method, dst, timeout, quantize_mode="int8"
+):
+    """Runs ModelOpt's ONNX PTQ on `onnx_path` in its own venv.
 
     Args:
         python: str. The ModelOpt venv's Python.
@@ -54,6 +60,8 @@ def run_modelopt(python, onnx_path, calib_path, method, dst, timeout):
         dst: str. Where the quantized ONNX goes; its log goes beside it
             (`.log` for `.onnx`).
         timeout: float. Seconds before the run is stopped.
+        quantize_mode: str. ModelOpt's `--quantize_mode`: `"int8"` or
+            `"fp8"`. Defaults to `"int8"`.
 
     Returns:
         dict: `command`, `seconds`, `ok`; with `onnx` (the file name) and
@@ -67,7 +75,7 @@ def run_modelopt(python, onnx_path, calib_path, method, dst, timeout):
         "-m",
         "modelopt.onnx.quantization",
         f"--onnx_path={onnx_path}",
-        "--quantize_mode=int8",
+        f"--quantize_mode={quantize_mode}",
         f"--calibration_data_path={calib_path}",
         f"--calibration_method={method}",
         "--calibration_eps",
@@ -107,7 +115,9 @@ def main():
     p.add_argument("--venv", required=True)
     p.add_argument("--input-name", default="input_0")
     p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--quantize-mode", default="int8", choices=tuple(METHODS))
     a = p.parse_args()
+    prefix = "modelopt" if a.quantize_mode == "int8" else "modelopt_fp8"
     w = a.workdir
     python = os.path.join(a.venv, "bin", "python")
     out = {"venv": a.venv}
@@ -116,7 +126,7 @@ def main():
             f"No ModelOpt environment at {a.venv}. Create it with "
             "`python benchmarks/bench_peers.py --setup`."
         )
-        write_json(w, "modelopt", out)
+        write_json(w, prefix, out)
         return
     probe = subprocess.run(
         [python, "-c", VERSION_PROBE], capture_output=True, text=True
@@ -125,8 +135,8 @@ def main():
     calib = os.path.join(w, "calib_modelopt.npz")
     np.savez(calib, **{a.input_name: load_data(w)["x_calib"]})
     methods = {}
-    for method in METHODS:
-        dst = os.path.join(w, f"modelopt_{method}.onnx")
+    for method in METHODS[a.quantize_mode]:
+        dst = os.path.join(w, f"{prefix}_{method}.onnx")
         entry = run_modelopt(
             python,
             os.path.join(w, "float.onnx"),
@@ -134,12 +144,13 @@ def main():
             method,
             dst,
             a.timeout,
+            a.quantize_mode,
         )
         entry["command"] = entry["command"].replace(w + os.sep, "")
         methods[method] = entry
         print(method, entry)
     out["methods"] = methods
-    write_json(w, "modelopt", out)
+    write_json(w, prefix, out)
 
 
 if __name__ == "__main__":
