@@ -129,3 +129,60 @@ def test_fp8_attention_softmax_output_keeps_its_fixed_scale():
     probs = [k for k in ranges if k.endswith("attention_probs")]
     assert probs and all(ranges[k] == 1.0 for k in probs)
     assert ranges[probs[0].replace("probs", "query")] not in (0.0, 1.0)
+
+
+def _block():
+    inputs = keras.Input((8, 32))
+    x = keras.layers.Dense(32, name="embed")(inputs)
+    x = x + keras.layers.MultiHeadAttention(2, 16, name="mha")(x, x)
+    x = keras.layers.GlobalAveragePooling1D()(x)
+    return keras.Model(inputs, keras.layers.Dense(32, name="out")(x))
+
+
+def test_fp8_qat_calibrates_and_fits_under_mirrored_strategy(mirrored_strategy):
+    x = np.random.default_rng(3).normal(size=(32, 8, 32)).astype("float32")
+    with mirrored_strategy.scope():
+        qmodel = keras_mp.quantize_model(_block(), precision="fp8")
+        qmodel.compile(keras.optimizers.SGD(1e-2), "mse")
+    keras_mp.calibrate(qmodel, x, verbose=0)
+    ranges = activation_quantizers(qmodel)
+    before = {n: float(q.amax.numpy()) for n, q in ranges.items()}
+    assert all(v > 0 for v in before.values())
+    history = qmodel.fit(x, np.zeros((32, 32)), epochs=2, verbose=0)
+    assert np.isfinite(history.history["loss"]).all()
+    assert {n: float(q.amax.numpy()) for n, q in ranges.items()} == before
+
+
+class _Interrupt(keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == 1:
+            raise RuntimeError("interrupted")
+
+
+def test_fp8_qat_resumes_bit_for_bit_with_backup_and_restore(tmp_path):
+    x = np.random.default_rng(4).normal(size=(32, 8, 32)).astype("float32")
+    y = np.zeros((32, 32))
+
+    def quantized():
+        keras.utils.set_random_seed(0)
+        qmodel = keras_mp.quantize_model(_block(), precision="fp8")
+        keras_mp.calibrate(qmodel, x, verbose=0)
+        qmodel.compile(keras.optimizers.Adam(1e-3), "mse")
+        return qmodel
+
+    reference = quantized()
+    reference.fit(x, y, epochs=4, shuffle=False, verbose=0)
+    backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
+    with pytest.raises(RuntimeError, match="interrupted"):
+        quantized().fit(
+            x,
+            y,
+            epochs=4,
+            shuffle=False,
+            verbose=0,
+            callbacks=[backup, _Interrupt()],
+        )
+    resumed = quantized()
+    resumed.fit(x, y, epochs=4, shuffle=False, verbose=0, callbacks=[backup])
+    for a, b in zip(reference.weights, resumed.weights, strict=True):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
