@@ -50,16 +50,27 @@ def _seed_and_policy():
     keras.mixed_precision.set_global_policy("float32")
 
 
-@pytest.fixture(autouse=True)
-def _small_gemm_rule(request, monkeypatch):
+@pytest.fixture(scope="session", autouse=True)
+def _no_small_gemm_rule():
     """Most tests build tiny layers (Dense(4)) to test other features:
     keras_mp's default rule would leave every GEMM with K or N below 16
-    float (`placement.MIN_GEMM_DIM`), so it is off for them. Tests marked
-    `gemm_rule`, and every benchmark and example, run the default."""
-    if request.node.get_closest_marker("gemm_rule") is None:
+    float (`placement.MIN_GEMM_DIM`), so it is off for them, module and
+    session fixtures included. Tests marked `gemm_rule`, and every
+    benchmark and example, run the default."""
+    from keras_mp.quantization import placement
+
+    default = placement.MIN_GEMM_DIM
+    placement.MIN_GEMM_DIM = 0
+    yield default
+    placement.MIN_GEMM_DIM = default
+
+
+@pytest.fixture(autouse=True)
+def _small_gemm_rule(request, monkeypatch, _no_small_gemm_rule):
+    if request.node.get_closest_marker("gemm_rule") is not None:
         from keras_mp.quantization import placement
 
-        monkeypatch.setattr(placement, "MIN_GEMM_DIM", 0)
+        monkeypatch.setattr(placement, "MIN_GEMM_DIM", _no_small_gemm_rule)
 
 
 @pytest.fixture(scope="session")

@@ -154,25 +154,21 @@ def _dq_after_layout(graph, codes):
     for q in [n for n in graph.node if n.op_type == "QuantizeLinear"]:
         if q.output[0] not in codes or attr_axis_set(q):
             continue
-        chains = []
-        for first in consumers.get(q.output[0], []):
-            chain, node = [], first
-            while node.op_type in LAYOUT_OPS:
-                chain.append(node)
-                nxt = consumers.get(node.output[0], [])
-                if len(nxt) != 1:
-                    break
-                node = nxt[0]
-            if chain and node.op_type == "DequantizeLinear":
-                chains.append((chain, node))
-        for i, (chain, dq) in enumerate(chains):
-            chain[0].input[0] = q.input[0]
-            floats.update(n.output[0] for n in chain)
+        found = _layout_tree(q.output[0], consumers)
+        if found is None:
+            continue
+        layouts, dqs = found
+        chains = layouts  # moved when the tree holds layout ops
+        for node in layouts:
+            if node.input[0] == q.output[0]:
+                node.input[0] = q.input[0]
+            floats.add(node.output[0])
+        for i, dq in enumerate(d for d in dqs if d.input[0] != q.output[0]):
             moved = graph.node.add()
             moved.CopyFrom(q)
-            moved.name = f"{q.name}_after_{chain[-1].name}"
-            moved.input[0] = chain[-1].output[0]
-            moved.output[0] = f"{q.output[0]}_after_{i}"
+            moved.name = f"{q.name}_moved_{i}"
+            moved.input[0] = dq.input[0]
+            moved.output[0] = f"{q.output[0]}_moved_{i}"
             dq.input[0] = moved.output[0]
         if chains and not any(
             q.output[0] in n.input for n in graph.node if n is not q
@@ -182,6 +178,23 @@ def _dq_after_layout(graph, codes):
         if info.name in floats:
             info.type.tensor_type.elem_type = FLOAT
     _sort(graph)
+
+
+def _layout_tree(tensor, consumers):
+    """`(layout ops, DequantizeLinears)` reached from `tensor` through
+    layout ops only, or None when something else reads a value on the way
+    (then nothing moves)."""
+    layouts, dqs, pending = [], [], [tensor]
+    while pending:
+        for node in consumers.get(pending.pop(), []):
+            if node.op_type in LAYOUT_OPS:
+                layouts.append(node)
+                pending.append(node.output[0])
+            elif node.op_type == "DequantizeLinear":
+                dqs.append(node)
+            else:
+                return None
+    return (layouts, dqs) if layouts else None
 
 
 def attr_axis_set(node):
