@@ -290,16 +290,21 @@ def _rule_per_channel(graph):
         op, slot, source = use
         if slot == BIAS_SLOT or source.layout:
             continue  # reported by the zero_point / weight_dq_direct rules
-        if op.op_type not in ("MatMul", "Gemm") and (
-            _qdq_type(graph, node) == FLOAT8E4M3FN
+        if (
+            op.op_type not in ("MatMul", "Gemm")
+            and node.op_type == "DequantizeLinear"
+            and _qdq_type(graph, node) == FLOAT8E4M3FN
         ):
             yield Finding(
                 "per_channel",
                 name,
                 f"per-channel FP8 weight of {op.op_type} "
-                f"'{graph.name(op)}'; TensorRT takes FP8 weights per "
-                "channel for GEMMs (MatMul, Gemm) only: use one scale for "
-                "this weight (keras_mp does for FP8 convolutions).",
+                f"'{graph.name(op)}': TensorRT documents per-channel FP8 "
+                "weights for GEMMs (MatMul, Gemm; 10.6+) and keras_mp writes "
+                "FP8 convolution weights per tensor; ModelOpt's ONNX PTQ "
+                "writes them per channel. Check that your TensorRT version "
+                "builds it.",
+                "warning",
             )
             continue
         shape = source.array.shape

@@ -50,7 +50,7 @@ def trained(digits):
             keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             metrics=["accuracy"],
         )
-        model.fit(x, y, epochs=8, batch_size=64, verbose=0)
+        model.fit(x, y, epochs=5, batch_size=64, verbose=0)
         models[model.name] = model
     return models, x[:512], xt
 

@@ -159,6 +159,7 @@ class _Interrupt(keras.callbacks.Callback):
             raise RuntimeError("interrupted")
 
 
+@pytest.mark.slow  # three quantize + fit runs (CI's slow step runs it)
 def test_fp8_qat_resumes_bit_for_bit_with_backup_and_restore(tmp_path):
     x = np.random.default_rng(4).normal(size=(32, 8, 32)).astype("float32")
     y = np.zeros((32, 32))

@@ -21,7 +21,8 @@ def _mlp():
 def test_a_10_class_head_stays_float_with_a_reason(precision):
     qmodel = keras_mp.quantize_model(_mlp(), precision=precision)
     rows = {
-        r["layer"]: r for r in keras_mp.quantization_report(qmodel, verbose=False)
+        r["layer"]: r
+        for r in keras_mp.quantization_report(qmodel, verbose=False)
     }
     assert rows["fc"]["quantized"] and rows["fc"]["format"] == precision
     assert not rows["head"]["quantized"]
@@ -49,5 +50,7 @@ def test_lint_does_not_count_a_small_gemm_as_lost_speed(tmp_path):
 def test_a_model_of_small_gemms_only_is_a_clear_error():
     inputs = keras.Input((8,))
     model = keras.Model(inputs, keras.layers.Dense(4, name="tiny")(inputs))
-    with pytest.raises(ValueError, match=r"K or N below 16 stay float \(tiny\)"):
+    with pytest.raises(
+        ValueError, match=r"K or N below 16 stay float \(tiny\)"
+    ):
         keras_mp.quantize_model(model)
