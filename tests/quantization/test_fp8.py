@@ -151,39 +151,3 @@ def test_fp8_qat_calibrates_and_fits_under_mirrored_strategy(mirrored_strategy):
     history = qmodel.fit(x, np.zeros((32, 32)), epochs=2, verbose=0)
     assert np.isfinite(history.history["loss"]).all()
     assert {n: float(q.amax.numpy()) for n, q in ranges.items()} == before
-
-
-class _Interrupt(keras.callbacks.Callback):
-    def on_epoch_end(self, epoch, logs=None):
-        if epoch == 1:
-            raise RuntimeError("interrupted")
-
-
-@pytest.mark.slow  # three quantize + fit runs (CI's slow step runs it)
-def test_fp8_qat_resumes_bit_for_bit_with_backup_and_restore(tmp_path):
-    x = np.random.default_rng(4).normal(size=(32, 8, 32)).astype("float32")
-    y = np.zeros((32, 32))
-
-    def quantized():
-        keras.utils.set_random_seed(0)
-        qmodel = keras_mp.quantize_model(_block(), precision="fp8")
-        keras_mp.calibrate(qmodel, x, verbose=0)
-        qmodel.compile(keras.optimizers.Adam(1e-3), "mse")
-        return qmodel
-
-    reference = quantized()
-    reference.fit(x, y, epochs=4, shuffle=False, verbose=0)
-    backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
-    with pytest.raises(RuntimeError, match="interrupted"):
-        quantized().fit(
-            x,
-            y,
-            epochs=4,
-            shuffle=False,
-            verbose=0,
-            callbacks=[backup, _Interrupt()],
-        )
-    resumed = quantized()
-    resumed.fit(x, y, epochs=4, shuffle=False, verbose=0, callbacks=[backup])
-    for a, b in zip(reference.weights, resumed.weights, strict=True):
-        np.testing.assert_array_equal(a.numpy(), b.numpy())

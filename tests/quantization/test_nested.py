@@ -399,12 +399,13 @@ class _Interrupt(keras.callbacks.Callback):
 
 
 @pytest.mark.slow  # three quantize + fit runs
-def test_backup_and_restore_resumes_qat_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("precision", ["int8", "fp8"])
+def test_backup_and_restore_resumes_qat_bit_for_bit(tmp_path, precision):
     x, y = _x(), np.zeros((32, 3))
 
     def quantized():
         keras.utils.set_random_seed(0)
-        qmodel = keras_mp.quantize_model(_block_model())
+        qmodel = keras_mp.quantize_model(_block_model(), precision=precision)
         keras_mp.calibrate(qmodel, x, verbose=0)
         qmodel.compile(keras.optimizers.Adam(1e-3), "mse")
         return qmodel
