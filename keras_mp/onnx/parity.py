@@ -361,20 +361,30 @@ def check_parity(
         )
     with _ort_errors(model, onnx_path, "run"):
         rows = _compare(want, run_session(session, inputs), names)
-    with _ort_errors(model, onnx_path, "optimize and run"):
-        optimized = _compare(
-            want, run_session(ort_session(onnx_path), inputs), names
-        )
+    note = _optimized_note(onnx_path)
+    if note:  # ORT's optimizer mishandles FP8: its figures are a note only
+        try:
+            optimized = _compare(
+                want, run_session(ort_session(onnx_path), inputs), names
+            )
+        except Exception as e:  # noqa: BLE001 - an ORT optimizer crash
+            optimized = None
+            note += f"; here it fails ({str(e).splitlines()[0][:160]})"
+    else:
+        with _ort_errors(model, onnx_path, "optimize and run"):
+            optimized = _compare(
+                want, run_session(ort_session(onnx_path), inputs), names
+            )
     report = ParityReport(
         len(inputs[0]),
         min(r.top1_agreement for r in rows),
         max(r.max_abs_diff for r in rows),
         max(r.mean_abs_diff for r in rows),
         max(r.rel_l2 for r in rows),
-        min(r.top1_agreement for r in optimized),
-        max(r.rel_l2 for r in optimized),
+        min(r.top1_agreement for r in optimized) if optimized else None,
+        max(r.rel_l2 for r in optimized) if optimized else None,
         outputs=rows,
-        note=_optimized_note(onnx_path),
+        note=note,
     )
     if report.top1_agreement < min_top1_agreement or report.rel_l2 > max_rel_l2:
         raise ParityError(

@@ -178,6 +178,39 @@ def _dq_after_layout(graph, codes):
         if info.name in floats:
             info.type.tensor_type.elem_type = FLOAT
     _sort(graph)
+    _check_fp8_consumers(graph, codes)
+
+
+def _check_fp8_consumers(graph, codes):
+    """An ExportError when FP8 codes still reach an op other than a
+    DequantizeLinear (at opset 19 only Q/DQ take FP8 tensors)."""
+    for node in graph.node:
+        if node.op_type == "DequantizeLinear":
+            continue
+        for sub in subgraphs(node):
+            for inner, _, _ in walk(sub):
+                read = [i for i in inner.input if i in codes]
+                if read:
+                    _fp8_error(node, read[0])
+        read = [i for i in node.input if i in codes]
+        if read:
+            _fp8_error(node, read[0])
+
+
+def _fp8_error(node, tensor):
+    raise ExportError(
+        f"The FP8 codes {tensor!r} reach {node.op_type} {node.name!r}, "
+        "which ONNX (opset 19) and TensorRT take in float only: tf2onnx "
+        "put that op between an FP8 Q and its DQ, and keras_mp moves a Q "
+        "only past ops that move values of one input. Keep the layer "
+        "around it INT8 (QuantizeConfig(precision='int8') for it) and "
+        "report the model. Nothing was written."
+    )
+
+
+# Ops that move or pick the values of their first input only: a per-tensor
+# Q commutes with them (Concat, whose other inputs may be float, does not).
+_MOVABLE_OPS = LAYOUT_OPS | {"Slice", "Gather", "Split", "Tile", "Expand"}
 
 
 def _layout_tree(tensor, consumers):
@@ -187,7 +220,10 @@ def _layout_tree(tensor, consumers):
     layouts, dqs, pending = [], [], [tensor]
     while pending:
         for node in consumers.get(pending.pop(), []):
-            if node.op_type in LAYOUT_OPS:
+            if node.op_type in _MOVABLE_OPS and node.input[0] in (
+                tensor,
+                *(n.output[0] for n in layouts),
+            ):
                 layouts.append(node)
                 pending.append(node.output[0])
             elif node.op_type == "DequantizeLinear":

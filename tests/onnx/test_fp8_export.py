@@ -151,3 +151,25 @@ def test_fp8_with_a_lower_explicit_opset_is_refused_before_writing(
     ):
         keras_mp.export_onnx(qmodel, path, opset=17)
     assert not os.listdir(tmp_path)
+
+
+def test_fp8_after_a_recurrent_layer_exports(tmp_path):
+    """tf2onnx puts Squeeze/Slice ops between an LSTM output's FP8 Q and its
+    DQ (found on a model no test had): the Q moves past them."""
+    model = keras.Sequential(
+        [
+            keras.Input((10,), dtype="int32"),
+            keras.layers.Embedding(50, 32),
+            keras.layers.LSTM(32),
+            keras.layers.Dense(32),
+        ]
+    )
+    x = np.random.default_rng(0).integers(0, 50, (16, 10)).astype("int32")
+    qmodel = keras_mp.quantize_model(model, precision="fp8")
+    keras_mp.calibrate(qmodel, x, verbose=0)
+    path = str(tmp_path / "lstm.onnx")
+    with pytest.warns(UserWarning, match="opset 19"):
+        report = keras_mp.export_onnx(qmodel, path, verify_data=x)
+    assert report.rel_l2 <= 1e-2, report
+    _, types = _zero_point_types(path)
+    assert FP8 in types.values()
