@@ -204,10 +204,14 @@ def _measure(proto, data, samples):
     exposed.CopyFrom(proto)
     typed = onnx.shape_inference.infer_shapes(exposed).graph
     names = {o.name for o in exposed.graph.output}
+    # stale value_info (tensors a pass removed, e.g. folded weight Q/DQ)
+    # would be outputs ONNX Runtime cannot find
+    produced = {o for n in exposed.graph.node for o in n.output}
     for value in typed.value_info:
         if (
             value.type.tensor_type.elem_type == FLOAT
             and value.name not in names
+            and value.name in produced
         ):
             exposed.graph.output.append(value)
     session = ort_session(exposed.SerializeToString(), optimized=False)

@@ -173,3 +173,21 @@ def test_fp8_after_a_recurrent_layer_exports(tmp_path):
     assert report.rel_l2 <= 1e-2, report
     _, types = _zero_point_types(path)
     assert FP8 in types.values()
+
+
+def test_fp8_in_a_float16_strongly_typed_graph(trained, tmp_path):
+    models, calibration, test = trained
+    qmodel = keras_mp.quantize_model(models["cnn"], precision="fp8")
+    keras_mp.calibrate(qmodel, calibration, verbose=0)
+    path = str(tmp_path / "cnn16.onnx")
+    # a 16-bit dtype exports at opset 19 already: no warning
+    report = keras_mp.export_onnx(
+        qmodel, path, verify_data=test[:128], dtype="float16"
+    )
+    assert report.rel_l2 <= 5e-2, report
+    proto, types = _zero_point_types(path)
+    assert FP8 in types.values()
+    assert onnx.TensorProto.FLOAT16 in {
+        i.data_type for i in proto.graph.initializer
+    }
+    assert keras_mp.check_tensorrt(path).ok
