@@ -20,6 +20,7 @@ from keras_mp.onnx.graph import (
     LAYOUT_OPS,
     QDQ_OPS,
     UINT8,
+    attr,
     subgraphs,
     walk,
 )
@@ -152,13 +153,12 @@ def _dq_after_layout(graph, codes):
             consumers.setdefault(name, []).append(node)
     floats = set()  # layout outputs that now carry float values
     for q in [n for n in graph.node if n.op_type == "QuantizeLinear"]:
-        if q.output[0] not in codes or attr_axis_set(q):
+        if q.output[0] not in codes or attr(q, "axis", None) is not None:
             continue
         found = _layout_tree(q.output[0], consumers)
         if found is None:
             continue
         layouts, dqs = found
-        chains = layouts  # moved when the tree holds layout ops
         for node in layouts:
             if node.input[0] == q.output[0]:
                 node.input[0] = q.input[0]
@@ -170,9 +170,7 @@ def _dq_after_layout(graph, codes):
             moved.input[0] = dq.input[0]
             moved.output[0] = f"{q.output[0]}_moved_{i}"
             dq.input[0] = moved.output[0]
-        if chains and not any(
-            q.output[0] in n.input for n in graph.node if n is not q
-        ):
+        if not any(q.output[0] in n.input for n in graph.node if n is not q):
             graph.node.remove(q)
     for info in graph.value_info:
         if info.name in floats:
@@ -231,10 +229,6 @@ def _layout_tree(tensor, consumers):
             else:
                 return None
     return (layouts, dqs) if layouts else None
-
-
-def attr_axis_set(node):
-    return any(a.name == "axis" for a in node.attribute)
 
 
 def _sort(graph):

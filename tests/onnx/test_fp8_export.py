@@ -55,6 +55,14 @@ def trained(digits):
     return models, x[:512], xt
 
 
+def _fp8(model, calibration, config=None):
+    qmodel = keras_mp.quantize_model(
+        model, precision=None if config else "fp8", config=config
+    )
+    keras_mp.calibrate(qmodel, calibration, verbose=0)
+    return qmodel
+
+
 def _zero_point_types(path):
     proto = onnx.load(path)
     inits = {i.name: i for i in proto.graph.initializer}
@@ -70,8 +78,7 @@ def test_fp8_export_matches_onnx_runtime_on_a_trained_network(
     name, trained, tmp_path
 ):
     models, calibration, test = trained
-    qmodel = keras_mp.quantize_model(models[name], precision="fp8")
-    keras_mp.calibrate(qmodel, calibration, verbose=0)
+    qmodel = _fp8(models[name], calibration)
     path = str(tmp_path / f"{name}.onnx")
     with pytest.warns(UserWarning, match="exported at opset 19"):
         report = keras_mp.export_onnx(qmodel, path, verify_data=test)
@@ -106,8 +113,7 @@ def test_fp8_softmax_output_is_exported_with_scale_1_over_448(
     trained, tmp_path
 ):
     models, calibration, _ = trained
-    qmodel = keras_mp.quantize_model(models["block"], precision="fp8")
-    keras_mp.calibrate(qmodel, calibration, verbose=0)
+    qmodel = _fp8(models["block"], calibration)
     path = str(tmp_path / "block.onnx")
     with pytest.warns(UserWarning, match="opset 19"):
         keras_mp.export_onnx(qmodel, path)
@@ -125,11 +131,8 @@ def test_fp8_softmax_output_is_exported_with_scale_1_over_448(
 
 def test_int8_and_fp8_layers_mix_in_one_graph(trained, tmp_path):
     models, calibration, test = trained
-    qmodel = keras_mp.quantize_model(
-        models["block"],
-        config={"mha|fc1": keras_mp.QuantizeConfig(precision="fp8")},
-    )
-    keras_mp.calibrate(qmodel, calibration, verbose=0)
+    fp8 = keras_mp.QuantizeConfig(precision="fp8")
+    qmodel = _fp8(models["block"], calibration, config={"mha|fc1": fp8})
     path = str(tmp_path / "mixed.onnx")
     with pytest.warns(UserWarning, match="opset 19"):
         report = keras_mp.export_onnx(qmodel, path, verify_data=test)
@@ -143,8 +146,7 @@ def test_fp8_with_a_lower_explicit_opset_is_refused_before_writing(
     trained, tmp_path
 ):
     models, calibration, _ = trained
-    qmodel = keras_mp.quantize_model(models["cnn"], precision="fp8")
-    keras_mp.calibrate(qmodel, calibration, verbose=0)
+    qmodel = _fp8(models["cnn"], calibration)
     path = str(tmp_path / "low.onnx")
     with pytest.raises(
         ExportError, match="need opset >= 19. Received: opset=17"
@@ -177,8 +179,7 @@ def test_fp8_after_a_recurrent_layer_exports(tmp_path):
 
 def test_fp8_in_a_float16_strongly_typed_graph(trained, tmp_path):
     models, calibration, test = trained
-    qmodel = keras_mp.quantize_model(models["cnn"], precision="fp8")
-    keras_mp.calibrate(qmodel, calibration, verbose=0)
+    qmodel = _fp8(models["cnn"], calibration)
     path = str(tmp_path / "cnn16.onnx")
     # a 16-bit dtype exports at opset 19 already: no warning
     report = keras_mp.export_onnx(
