@@ -59,6 +59,12 @@ from keras_mp.onnx import (
     typed_graph,
     verify_onnx,
 )
+from keras_mp.precision import (
+    AutoQuantizeReport,
+    SensitivityReport,
+    auto_quantize,
+    layer_sensitivity,
+)
 from keras_mp.quantization import (
     QuantizeActivation,
     QuantizeAnnotate,

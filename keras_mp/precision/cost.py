@@ -18,12 +18,19 @@ the same fraction), and sparse Tensor Cores. Use it to rank choices;
 `trtexec` on the GPU is the ground truth.
 """
 
-from keras_mp.precision.gpus import GPUS, PRECISIONS, check_precisions, gpu_spec
+from keras_mp.precision.gpus import (
+    GPU,
+    GPUS,
+    PRECISIONS,
+    check_precisions,
+    gpu_spec,
+)
 from keras_mp.precision.work import KINDS, LayerWork, layer_work
 from keras_mp.quantization import placement
 
 __all__ = [
     "BITS",
+    "GPU",
     "GPUS",
     "KINDS",
     "PRECISIONS",

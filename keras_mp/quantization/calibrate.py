@@ -28,6 +28,7 @@ class CalibrationReport:
     ranges: dict
     observed_max: dict
     collapsed: list
+    chosen: dict = dataclasses.field(default_factory=dict)
 
     def to_table(self):
         rows = [
@@ -36,7 +37,10 @@ class CalibrationReport:
         ]
         for name, amax in self.ranges.items():
             seen = self.observed_max[name]
-            rows.append(f"  {name:<40} amax={amax:.5g} (max seen {seen:.5g})")
+            how = f", {self.chosen[name]}" if name in self.chosen else ""
+            rows.append(
+                f"  {name:<40} amax={amax:.5g} (max seen {seen:.5g}{how})"
+            )
         for name in self.collapsed:
             rows.append(f"  {name}: range collapsed to 0 (all inputs zero)")
         return "\n".join(rows)
@@ -102,7 +106,10 @@ def calibrate(
             (by input name, as the ONNX export names its inputs) of
             arrays, or batches shaped that way. Integer inputs (token ids,
             masks) take integer arrays and keep their dtype.
-        method: str. `"max"`, `"percentile"`, `"entropy"` or `"mse"`.
+        method: str. `"max"`, `"percentile"`, `"entropy"` (TensorRT's
+            KL-divergence search), `"mse"` or `"auto"` (per quantizer, the
+            range of any of these with the least quantization error of its
+            inputs on its format's grid; the report's `chosen` says which).
             Defaults to `"max"`.
         num_batches: int. Stop after this many batches. Defaults to all.
         batch_size: int. Batch size for array data. Defaults to 128.
@@ -186,13 +193,15 @@ def calibrate(
             q.collector = None
     if batches == 0:
         raise ValueError("Calibration data is empty: pass some real inputs.")
-    ranges, observed, collapsed = {}, {}, []
+    ranges, observed, collapsed, chosen = {}, {}, [], {}
     for name, q in quantizers.items():
         calibrator = calibrators[name]
         observed[name] = calibrator.observed_max
         amax = calibrator.compute_amax(q.format)
         if calibrator.observed_max == 0.0:
             collapsed.append(name)
+        elif getattr(calibrator, "choice", None):
+            chosen[name] = calibrator.choice
         q.amax.assign(amax)
         ranges[name] = amax
     owners = {}
@@ -208,7 +217,7 @@ def calibrate(
     }
     _models.reset_compiled_functions(model)
     return CalibrationReport(
-        method, batches, samples, ranges, observed, collapsed
+        method, batches, samples, ranges, observed, collapsed, chosen
     )
 
 

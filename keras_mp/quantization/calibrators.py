@@ -102,6 +102,21 @@ class HistogramCalibrator(Calibrator):
         """The histogram's bin edges, `len(hist) + 1` of them."""
         return np.arange(len(self.hist) + 1) * self.bin_width
 
+    def share_histogram(self, other):
+        """Takes the inputs `other` has seen (its histogram and max)."""
+        self.hist, self.bin_width = other.hist, other.bin_width
+        self.observed_max, self.batches = other.observed_max, other.batches
+
+    def quantization_error(self, fmt, amax):
+        """The mean squared error of the inputs seen rounded to `fmt`'s
+        grid over `[-amax, amax]`, each bin's center standing for its
+        inputs (exact to half a bin, `max|x| / 4096`)."""
+        hist = self.hist.astype(np.float64)
+        centers = (self.edges[:-1] + self.edges[1:]) / 2
+        scale = amax / fmt.qmax
+        q = fmt.encode(centers / scale).astype(np.float64) * scale
+        return float(np.sum(hist * (centers - q) ** 2) / hist.sum())
+
 
 class PercentileCalibrator(HistogramCalibrator):
     """The `percentile`-th percentile of `|x|`, to one bin.
@@ -122,40 +137,82 @@ class PercentileCalibrator(HistogramCalibrator):
 
 
 class EntropyCalibrator(HistogramCalibrator):
-    """TensorRT's calibration: the clip threshold whose `2**(num_bits-1)`
-    level quantized distribution is closest (least KL divergence) to the
-    clipped reference distribution."""
+    """TensorRT's entropy calibration, as pytorch-quantization and ModelOpt
+    implement it: the clip threshold whose quantized distribution is
+    closest (least KL divergence) to the clipped reference distribution.
+
+    Candidates are the histogram's bin edges from `start_bin` (of the
+    `NUM_BINS`-bin histogram) to the largest input, every `stride` bins;
+    for each, the first `i` bins are merged into the format's levels
+    (`2 ** (num_bits - 1)`, twice that for an `unsigned` quantizer; for a
+    floating-point row such as FP8, the bins sharing one code of its grid),
+    each level's mass is spread back over its non-empty bins, and the
+    outliers past the threshold are added to the reference's last bin. The
+    last of equal divergences wins (the larger range, as TensorRT does).
+
+    Args:
+        name: str. The quantizer's name. Defaults to "".
+        unsigned: bool. The quantizer uses all its levels on one side
+            (TensorRT's quantizers are signed: keras_mp's are). Defaults to
+            False.
+        start_bin: int. The first candidate bin. Defaults to 128.
+        stride: int. Bins between candidates. Defaults to 1.
+    """
+
+    def __init__(self, name="", unsigned=False, start_bin=128, stride=1):
+        super().__init__(name)
+        self.unsigned = bool(unsigned)
+        self.start_bin = int(start_bin)
+        self.stride = int(stride)
 
     def _compute_amax(self, fmt):
+        divergences = self.divergences(fmt)
+        best = len(divergences) - 1 - int(np.argmin(divergences[::-1]))
+        return float(self.edges[self._candidates()[best]])
+
+    def _candidates(self):
+        stop = len(self.hist)
+        return list(range(min(self.start_bin, stop), stop + 1, self.stride))
+
+    def divergences(self, fmt):
+        """The KL divergence of each candidate threshold (numpy array, in
+        the order of the bin edges they stand at)."""
         hist = self.hist.astype(np.float64)
         # ReLU outputs put half their mass in bin 0; that spike would
         # dominate the divergence and pick a tiny range. TensorRT's
-        # reference implementation (pytorch-quantization) flattens it too.
+        # reference implementation flattens it the same way.
         hist[0] = hist[1]
-        # a uniform grid of `levels` steps (for FP8 too: its grid is not
-        # uniform, the max, percentile or MSE methods model it better)
-        levels = 2 ** (fmt.bits - 1)
-        best, best_i = np.inf, len(hist)
-        for i in range(levels, len(hist) + 1):
-            ref = hist[:i].copy()
-            ref[-1] += hist[i:].sum()
+        centers = (self.edges[:-1] + self.edges[1:]) / 2
+        out = []
+        for i in self._candidates():
+            group = self._levels(fmt, i, centers[:i])
             nonzero = hist[:i] != 0
-            # merge i bins into `levels` groups, spread each group's mass
-            # back over its non-empty bins
-            group = (np.arange(i) * levels) // i
-            sums = np.bincount(group, weights=hist[:i], minlength=levels)
-            counts = np.bincount(group, weights=nonzero, minlength=levels)
+            sums = np.bincount(group, weights=hist[:i])
+            counts = np.bincount(group, weights=nonzero)
             q = np.where(
                 nonzero, sums[group] / np.maximum(counts[group], 1), 0.0
             )
+            ref = hist[:i].copy()
+            ref[-1] += hist[i:].sum()
             if q.sum() == 0:
+                out.append(np.inf)
                 continue
             p, q = ref / ref.sum(), q / q.sum()
             mask = p > 0
-            kl = np.sum(p[mask] * np.log(p[mask] / np.maximum(q[mask], 1e-12)))
-            if kl <= best:  # ties: the larger range, as TensorRT does
-                best, best_i = kl, i
-        return float(self.edges[best_i])
+            with np.errstate(divide="ignore"):
+                out.append(float(np.sum(p[mask] * np.log(p[mask] / q[mask]))))
+        return np.asarray(out)
+
+    def _levels(self, fmt, i, centers):
+        """The level (group) index of each of the first `i` bins when the
+        range ends at bin `i`."""
+        if fmt.kind == "int":  # TensorRT: i bins -> nbins equal groups
+            nbins = 1 << (fmt.bits - 1 + int(self.unsigned))
+            return (np.arange(i) * nbins) // i
+        # a floating-point grid: the bins that round to one code
+        scale = self.edges[i] / fmt.qmax
+        codes = fmt.encode(centers / scale).astype(np.float64)
+        return np.unique(codes, return_inverse=True)[1]
 
 
 class MseCalibrator(HistogramCalibrator):
@@ -172,16 +229,43 @@ class MseCalibrator(HistogramCalibrator):
         self.candidates = candidates
 
     def _compute_amax(self, fmt):
-        hist = self.hist.astype(np.float64)
-        centers = (self.edges[:-1] + self.edges[1:]) / 2
         top = self.observed_max
         amaxes = np.linspace(top / self.candidates, top, self.candidates)
-        errors = []
-        for amax in amaxes:  # the format's own grid (int8, FP8, ...)
-            scale = amax / fmt.qmax
-            q = fmt.encode(centers / scale).astype(np.float64) * scale
-            errors.append(np.sum(hist * (centers - q) ** 2))
+        errors = [self.quantization_error(fmt, a) for a in amaxes]
         return float(amaxes[int(np.argmin(errors))])
+
+
+class AutoCalibrator(HistogramCalibrator):
+    """Per tensor, the best range of every method: among the max, the
+    99.9th, 99.99th and 99.999th percentiles, the entropy and the MSE
+    ranges, the one with the least quantization error of that tensor
+    (`quantization_error`: the mean squared error of its inputs rounded to
+    the format's grid, INT8 or FP8, over the range). After
+    `compute_amax`, `ranges` holds every method's range and `choice` the
+    winner.
+    """
+
+    def candidates(self):
+        """The histogram calibrators whose ranges compete with the max, by
+        method."""
+        found = {}
+        for p in (99.9, 99.99, 99.999):
+            found[f"percentile {p}"] = PercentileCalibrator(percentile=p)
+        found["entropy"] = EntropyCalibrator()
+        found["mse"] = MseCalibrator()
+        return found
+
+    def _compute_amax(self, fmt):
+        self.ranges = {"max": self.observed_max}
+        for method, calibrator in self.candidates().items():
+            calibrator.share_histogram(self)
+            self.ranges[method] = calibrator.compute_amax(fmt)
+        errors = {
+            method: self.quantization_error(fmt, amax)
+            for method, amax in self.ranges.items()
+        }
+        self.choice = min(errors, key=errors.get)
+        return float(self.ranges[self.choice])
 
 
 CALIBRATORS = {
@@ -189,4 +273,5 @@ CALIBRATORS = {
     "percentile": PercentileCalibrator,
     "entropy": EntropyCalibrator,
     "mse": MseCalibrator,
+    "auto": AutoCalibrator,
 }

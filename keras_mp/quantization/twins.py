@@ -11,9 +11,11 @@ them, and applies it again on load (`recipe.py`). The attention twin is in
 `attention.py`. Guide: `docs/quantization.md`.
 """
 
+import contextlib
 import dataclasses
 import functools
 import inspect
+import threading
 
 import keras
 
@@ -61,6 +63,24 @@ def _like(quantized, x):
     return quantized
 
 
+_PROBE = threading.local()
+
+
+@contextlib.contextmanager
+def probing(probe):
+    """While active, each call of a quantized twin runs `probe(layer, run,
+    args, kwargs)` instead, `run()` being the twin's own call on those
+    arguments (under its current `enabled` state):
+    `keras_mp.layer_sensitivity` computes a layer's output with and
+    without its quantizers there."""
+    before = getattr(_PROBE, "fn", None)
+    _PROBE.fn = probe
+    try:
+        yield
+    finally:
+        _PROBE.fn = before
+
+
 class QuantizedLayer:
     """What every quantized twin adds to its float class.
 
@@ -73,6 +93,14 @@ class QuantizedLayer:
     """
 
     float_class = None  # the class the twin derives from
+
+    def __call__(self, *args, **kwargs):
+        probe = getattr(_PROBE, "fn", None)
+        parent = super()
+        if probe is None:
+            return parent.__call__(*args, **kwargs)
+        run = lambda: parent.__call__(*args, **kwargs)  # noqa: E731
+        return probe(self, run, args, kwargs)
 
     @property
     def enabled(self):

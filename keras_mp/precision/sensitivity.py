@@ -1,0 +1,508 @@
+"""Per-layer quantization sensitivity: which layers hurt when quantized.
+
+`layer_sensitivity` quantizes a model once per precision, calibrates it
+once, and scores every quantized layer (or coupled group: the query, key
+and value projections of one attention layer) in one pass:
+
+- with labels (or a loss): ModelOpt AutoQuantize's gradient score, the sum
+  over the scoring batches of `(dL/dy * delta_y) ** 2`, `delta_y` the
+  change of the layer's output when it alone is quantized (a second-order
+  Taylor expansion of the loss with the Fisher information in place of
+  the Hessian). Every layer's `delta_y` and `dL/dy` come from one forward
+  (each layer computed with and without its quantizers, the float output
+  passed on) and one backward pass per batch.
+- without labels: the KL divergence of the model's output distribution
+  when that layer alone is quantized, from the float model's (ModelOpt's
+  label-free searcher); one forward pass per layer and batch.
+
+Guide: `docs/precision.md`.
+"""
+
+import re
+import time
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_mp import _inputs, _keras, _models, _record
+from keras_mp.precision import cost as cost_model
+from keras_mp.precision.reports import SensitivityReport, SensitivityRow
+from keras_mp.quantization import twins
+from keras_mp.quantization.annotate import quantize_model
+from keras_mp.quantization.calibrate import calibrate
+from keras_mp.quantization.config import PRECISIONS
+
+# Sibling layers decided together: one attention layer's projections read
+# one tensor (ModelOpt shares its input quantizer among them).
+_COUPLED = re.compile(r"(query|key|value)")
+
+
+def layer_sensitivity(
+    model,
+    data,
+    labels=None,
+    precisions=("int8", "fp8"),
+    loss=None,
+    calibration="auto",
+    num_batches=4,
+    batch_size=64,
+    calibration_batches=16,
+    verbose=1,
+):
+    """How much quantizing each layer alone would hurt, per precision.
+
+    Quantizes a copy of `model` once per precision, calibrates it once on
+    `data`, then scores every quantized layer (the query, key and value
+    projections of one attention layer as one group) on the first
+    `num_batches` batches: with `labels` or `loss`, ModelOpt
+    AutoQuantize's gradient score (one forward and one backward pass per
+    batch for all layers); without, the KL divergence of the outputs (one
+    forward pass per layer and batch). "Not quantized" always scores 0.
+
+    Args:
+        model: a built float `keras.Model`.
+        data: inputs: a NumPy array (a list or dict of arrays for several
+            inputs), or a `tf.data.Dataset` / iterable of batches, `(x, y)`
+            tuples giving the labels.
+        labels: array of labels for array `data`, or None.
+        precisions: tuple of `"int8"` and/or `"fp8"`.
+        loss: callable `loss(y_true, y_pred) -> scalar` to differentiate.
+            Defaults to (sparse) cross-entropy for integer labels and a
+            classifier output (logits or probabilities, told apart on the
+            data), mean squared error otherwise.
+        calibration: str. The `keras_mp.calibrate` method of the ranges.
+            Defaults to `"auto"`.
+        num_batches: int. Scoring batches. Defaults to 4.
+        batch_size: int. For array data. Defaults to 64.
+        calibration_batches: int. Calibration batches (of `batch_size`).
+            Defaults to 16.
+        verbose: int. 1 shows progress bars. Defaults to 1.
+
+    Returns:
+        `SensitivityReport` (`.rows`, `print(report)`, `.to_dict()`,
+        `.plot()`).
+
+    Raises:
+        ValueError: an unknown precision, labels whose length is not the
+            data's, labels with a dataset, a model with nothing to
+            quantize, empty data, or a score that is not finite (the
+            layer is named).
+
+    Example:
+
+    >>> report = keras_mp.layer_sensitivity(model, x[:512], y[:512])
+    >>> print(report)
+    """
+    report, _ = score_layers(
+        model,
+        data,
+        labels,
+        precisions,
+        loss=loss,
+        calibration=calibration,
+        num_batches=num_batches,
+        batch_size=batch_size,
+        calibration_batches=calibration_batches,
+        verbose=verbose,
+    )
+    return report
+
+
+def check_precisions(precisions, allowed, caller):
+    """`precisions` as a tuple, or a ValueError naming what is allowed."""
+    if isinstance(precisions, str):
+        precisions = (precisions,)
+    precisions = tuple(precisions)
+    bad = [p for p in precisions if p not in allowed]
+    if bad or not precisions:
+        raise ValueError(
+            f"`{caller}`: `precisions` must be a non-empty tuple of "
+            f"{list(allowed)}. Received: {precisions!r}"
+        )
+    return precisions
+
+
+def score_layers(
+    model,
+    data,
+    labels,
+    precisions,
+    loss=None,
+    calibration="auto",
+    num_batches=4,
+    batch_size=64,
+    calibration_batches=16,
+    verbose=1,
+    caller="layer_sensitivity",
+):
+    """`layer_sensitivity`'s work; also returns the calibrated model of
+    each precision (`{precision: qmodel}`), whose ranges
+    `keras_mp.auto_quantize` reuses."""
+    start = time.perf_counter()
+    _models.check_model(model, caller)
+    twins.check_float(model, caller)
+    precisions = check_precisions(precisions, PRECISIONS, caller)
+    for name, value in (
+        ("num_batches", num_batches),
+        ("batch_size", batch_size),
+        ("calibration_batches", calibration_batches),
+    ):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(
+                f"`{caller}`: `{name}` must be a positive integer. "
+                f"Received: {value!r}"
+            )
+    specs = _inputs.input_specs(model, caller)
+    batches = list(
+        labelled_batches(data, labels, batch_size, num_batches, specs, caller)
+    )
+    labelled = loss is not None or batches[0][1] is not None
+    method = "gradient" if labelled else "kl"
+    if method == "gradient" and any(y is None for _, y in batches):
+        raise ValueError(
+            f"`{caller}`: some batches have labels and some do not. Give "
+            "labels for every batch, or none."
+        )
+    qmodels, rows, units = {}, None, None
+    passes = {"calibration": 0, "forward": 0, "backward": 0}
+    float_out = None
+    for p in precisions:
+        qmodel = quantize_model(model, precision=p)
+        cal = calibrate(
+            qmodel,
+            data,
+            method=calibration,
+            num_batches=calibration_batches,
+            batch_size=batch_size,
+            verbose=0,
+        )
+        passes["calibration"] += cal.batches
+        qmodels[p] = qmodel
+        found = coupled_units(qmodel)
+        if units is None:
+            units = found
+            rows = {
+                name: SensitivityRow(
+                    name,
+                    tuple(path for path, _ in members),
+                    "+".join(
+                        dict.fromkeys(
+                            _models.class_name(layer).removeprefix("Quantized")
+                            for _, layer in members
+                        )
+                    ),
+                    {},
+                    {},
+                    reads_input=any(
+                        _reads_model_input(layer) for _, layer in members
+                    ),
+                )
+                for name, members in units.items()
+            }
+        twins.set_quantization_enabled(qmodel, False)
+        if method == "gradient":
+            scores, works = _gradient_scores(
+                qmodel, found, batches, specs, loss, verbose, p
+            )
+            passes["forward"] += len(batches)
+            passes["backward"] += len(batches)
+        else:
+            if float_out is None:
+                float_out = [_outputs(qmodel, x, specs) for x, _ in batches]
+                passes["forward"] += len(batches)
+            scores, works = _kl_scores(
+                qmodel, found, batches, specs, float_out, verbose, p
+            )
+            passes["forward"] += len(batches) * (len(found) + 1)
+        twins.set_quantization_enabled(qmodel, True)
+        for name, members in found.items():
+            row = rows[name]
+            row.scores[p] = scores[name]
+            row.formats[p] = _format_of([layer for _, layer in members])
+            if row.work is None:
+                row.work = works.get(name)
+            if not np.isfinite(scores[name]):
+                raise ValueError(
+                    f"`{caller}`: the {p} score of layer {name!r} is "
+                    f"{scores[name]} (the loss or the outputs hold NaN or "
+                    "Inf). Check the data and the loss."
+                )
+    ordered = sorted(
+        rows.values(), key=lambda r: max(r.scores.values()), reverse=True
+    )
+    report = SensitivityReport(
+        ordered,
+        method,
+        precisions,
+        calibration,
+        sum(len(x[0]) for x, _ in batches),
+        passes,
+        time.perf_counter() - start,
+    )
+    return report, qmodels
+
+
+def labelled_batches(data, labels, batch_size, num_batches, specs, caller):
+    """`(inputs, labels or None)` pairs: `inputs` a list of arrays (one
+    per model input), at most `num_batches` of them (None: all)."""
+    n = 1 if specs is None else len(specs)
+    arrays = None
+    if isinstance(data, (np.ndarray, dict)) or (
+        isinstance(data, (list, tuple))
+        and all(isinstance(a, np.ndarray) for a in data)
+    ):
+        arrays = _inputs.as_input_list(data, specs, f"`{caller}` data")
+    if arrays is not None:
+        total = len(arrays[0])
+        if labels is not None:
+            y = np.asarray(labels)
+            if y.ndim == 0 or len(y) != total:
+                raise ValueError(
+                    f"`{caller}`: {total} samples in `data` but "
+                    f"{'no' if y.ndim == 0 else len(y)} labels. Give one "
+                    "label per sample."
+                )
+        found = 0
+        for start in range(0, total, batch_size):
+            if num_batches is not None and found >= num_batches:
+                break
+            stop = start + batch_size
+            yield (
+                [a[start:stop] for a in arrays],
+                None if labels is None else y[start:stop],
+            )
+            found += 1
+        return
+    if labels is not None:
+        raise ValueError(
+            f"`{caller}`: `labels` go with array data. A dataset or an "
+            "iterable gives its labels in its `(x, y)` batches."
+        )
+    if isinstance(data, (str, bytes)) or not hasattr(data, "__iter__"):
+        raise TypeError(
+            f"`{caller}`: `data` must be a NumPy array (a list or dict of "
+            "arrays for several inputs), a tf.data.Dataset or an iterable "
+            f"of batches. Received: {type(data).__name__}"
+        )
+    found = 0
+    for batch in data:
+        if num_batches is not None and found >= num_batches:
+            break
+        y = None
+        if isinstance(batch, (tuple, list)) and len(batch) == 2 and n == 1:
+            y = keras.ops.convert_to_numpy(batch[1])
+        elif (
+            isinstance(batch, (tuple, list))
+            and len(batch) == 2
+            and (isinstance(batch[0], (tuple, list, dict)))
+        ):
+            y = keras.ops.convert_to_numpy(batch[1])
+        x = _inputs.strip_labels(batch, n)
+        yield _inputs.as_input_list(x, specs, f"`{caller}` batch"), y
+        found += 1
+    if found == 0:
+        raise ValueError(f"`{caller}`: `data` is empty: pass real inputs.")
+
+
+def coupled_units(qmodel):
+    """`{unit name: [(layer path, twin), ...]}`: every quantized twin of
+    `qmodel`, the query/key/value projections of one attention layer
+    (siblings named so) as one unit, in walk order."""
+    units, by_parent = {}, {}
+    root = _record.contents(qmodel)
+    for layer, parents in _models.walk_layers(root, with_parents=True):
+        if not twins.is_quantized(layer):
+            continue
+        path = _models.layer_path(layer, parents)
+        parent = "/".join(p.name for p in parents)
+        if _COUPLED.fullmatch(layer.name) and parents:
+            by_parent.setdefault(parent, []).append((path, layer))
+        units[path] = [(path, layer)]
+    for parent, members in by_parent.items():
+        if len(members) < 2:
+            continue
+        names = ",".join(layer.name for _, layer in members)
+        group = f"{parent}/{{{names}}}"
+        first = members[0][0]
+        rebuilt = {}
+        for key, value in units.items():
+            if key == first:
+                rebuilt[group] = members
+            elif key not in {path for path, _ in members}:
+                rebuilt[key] = value
+        units = rebuilt
+    return units
+
+
+def _reads_model_input(layer):
+    """Whether a Functional graph feeds `layer` a model input directly."""
+    for node in _keras.inbound_nodes(layer):
+        for tensor in node.input_tensors:
+            source = _keras.producer(tensor)
+            if source is None or isinstance(source, keras.layers.InputLayer):
+                return True
+    return False
+
+
+def _format_of(layers):
+    names = sorted(
+        {q.format.name for layer in layers for q in layer.owned_quantizers()}
+    )
+    return "+".join(names) if names else "float"
+
+
+def _tensors(structure):
+    return [t for t in tf.nest.flatten(structure) if hasattr(t, "shape")]
+
+
+def _shapes(structure):
+    return [tuple(int(d) for d in t.shape) for t in _tensors(structure)]
+
+
+def _record_work(works, unit, layer, args, outputs):
+    if works is None:
+        return
+    work = cost_model.layer_work(layer, _shapes(args), _shapes(outputs))
+    works[unit] = work if unit not in works else works[unit] + work
+
+
+class _GradientProbe:
+    """Runs each twin with and without its quantizers, passes the float
+    output on plus a zero tensor the tape watches (its gradient is
+    `dL/dy`), and keeps `delta_y`."""
+
+    def __init__(self, tape, unit_of, works):
+        self.tape, self.unit_of, self.works = tape, unit_of, works
+        self.found = []  # (unit, z, delta_y)
+
+    def __call__(self, layer, run, args, kwargs):
+        layer.enabled = False
+        out = run()
+        layer.enabled = True
+        quantized = run()
+        layer.enabled = False
+        unit = self.unit_of[id(layer)]
+        _record_work(self.works, unit, layer, (args, kwargs), out)
+        passed = []
+        for a, b in zip(tf.nest.flatten(out), tf.nest.flatten(quantized)):
+            if hasattr(a, "dtype") and a.dtype.is_floating:
+                z = tf.zeros_like(a)
+                self.tape.watch(z)
+                delta = tf.cast(b, tf.float32) - tf.cast(a, tf.float32)
+                self.found.append((unit, z, tf.stop_gradient(delta)))
+                new = a + z
+                _keras.copy_mask(a, new)
+                a = new
+            passed.append(a)
+        return tf.nest.pack_sequence_as(out, passed)
+
+
+def _gradient_scores(qmodel, units, batches, specs, loss, verbose, p):
+    unit_of = {id(layer): name for name, ms in units.items() for _, layer in ms}
+    scores = dict.fromkeys(units, 0.0)
+    works = {}
+    progbar = keras.utils.Progbar(
+        len(batches), verbose=verbose, unit_name=f"{p} batch"
+    )
+    for step, (x, y) in enumerate(batches):
+        with tf.GradientTape() as tape:
+            probe = _GradientProbe(tape, unit_of, works if step == 0 else None)
+            with twins.probing(probe):
+                outputs = qmodel(
+                    _inputs.call_arg(qmodel, x, specs), training=False
+                )
+            value = _loss(loss, y, outputs)
+        grads = tape.gradient(value, [z for _, z, _ in probe.found])
+        for (unit, _, delta), g in zip(probe.found, grads):
+            if g is None:  # an output nothing downstream reads
+                continue
+            g = tf.cast(g, tf.float32)
+            scores[unit] += float(tf.reduce_sum(tf.square(g * delta)))
+        progbar.update(step + 1)
+    return scores, works
+
+
+def _kl_scores(qmodel, units, batches, specs, float_out, verbose, p):
+    scores = dict.fromkeys(units, 0.0)
+    works = {}
+
+    unit_of = {id(layer): name for name, ms in units.items() for _, layer in ms}
+
+    def shapes_probe(layer, run, args, kwargs):
+        out = run()
+        _record_work(works, unit_of[id(layer)], layer, (args, kwargs), out)
+        return out
+
+    with twins.probing(shapes_probe):
+        qmodel(_inputs.call_arg(qmodel, batches[0][0], specs), training=False)
+    progbar = keras.utils.Progbar(
+        len(units), verbose=verbose, unit_name=f"{p} layer"
+    )
+    for k, (name, members) in enumerate(units.items()):
+        for _, layer in members:
+            layer.enabled = True
+        total = 0.0
+        for (x, _), reference in zip(batches, float_out):
+            total += _kl(reference, _outputs(qmodel, x, specs))
+        for _, layer in members:
+            layer.enabled = False
+        scores[name] = total
+        progbar.update(k + 1)
+    return scores, works
+
+
+def _outputs(model, x, specs):
+    out = model(_inputs.call_arg(model, x, specs), training=False)
+    return [np.asarray(_keras.to_numpy(t), np.float64) for t in _tensors(out)]
+
+
+def _probabilities(y):
+    """`y` as probabilities over its last axis: itself when it already is
+    one (non-negative, rows summing to 1), else its softmax."""
+    if y.ndim and y.shape[-1] > 1:
+        if np.all(y >= 0) and np.allclose(y.sum(-1), 1.0, atol=1e-3):
+            return np.clip(y, 1e-12, None)
+        e = np.exp(y - y.max(-1, keepdims=True))
+        return e / e.sum(-1, keepdims=True)
+    return None
+
+
+def _kl(reference, quantized):
+    """Mean KL(reference || quantized) over the samples, summed over the
+    outputs; a one-value output (a regression) adds its mean squared
+    change instead."""
+    total = 0.0
+    for a, b in zip(reference, quantized):
+        pa, pb = _probabilities(a), _probabilities(b)
+        if pa is None:
+            total += float(np.mean((a - b) ** 2))
+            continue
+        pb = np.clip(pb, 1e-12, None)
+        kl = np.sum(pa * (np.log(pa) - np.log(pb)), axis=-1)
+        total += float(np.mean(kl))
+    return total
+
+
+def _loss(loss, y, outputs):
+    if loss is not None:
+        return tf.cast(loss(y, outputs), tf.float32)
+    found = _tensors(outputs)
+    if len(found) != 1:
+        raise ValueError(
+            f"The model has {len(found)} outputs: pass a `loss(y_true, "
+            "y_pred)` that combines them."
+        )
+    out = tf.cast(found[0], tf.float32)
+    y = np.asarray(y)
+    if y.dtype.kind in "iub" and out.shape[-1] and out.shape[-1] > 1:
+        probs = _probabilities(out.numpy()) is not None and bool(
+            np.all(out.numpy() >= 0)
+            and np.allclose(out.numpy().sum(-1), 1.0, atol=1e-3)
+        )
+        return tf.reduce_mean(
+            keras.losses.sparse_categorical_crossentropy(
+                y, out, from_logits=not probs
+            )
+        )
+    return tf.reduce_mean(tf.square(out - tf.cast(y, tf.float32)))
