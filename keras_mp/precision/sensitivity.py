@@ -375,13 +375,20 @@ class _GradientProbe:
     def __init__(self, tape, unit_of, works):
         self.tape, self.unit_of, self.works = tape, unit_of, works
         self.found = []  # (unit, z, delta_y)
+        self.nested = False
 
     def __call__(self, layer, run, args, kwargs):
+        if self.nested:  # inside an outer layer's quantized run: float
+            return run()
         layer.enabled = False
         out = run()
         layer.enabled = True
-        quantized = run()
-        layer.enabled = False
+        self.nested = True
+        try:
+            quantized = run()
+        finally:
+            self.nested = False
+            layer.enabled = False
         unit = self.unit_of[id(layer)]
         _record_work(self.works, unit, layer, (args, kwargs), out)
         passed = []

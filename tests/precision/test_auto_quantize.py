@@ -1,0 +1,147 @@
+"""`auto_quantize` on a trained network (scikit-learn's digits): the drop
+it reports is the one measured here, its choices are the model's, the
+Lagrangian list of configurations, the bits cost, and bad input."""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_mp
+from keras_mp.precision.search import lagrangian_configs
+from keras_mp.quantization.twins import quantized_layers
+
+
+@pytest.fixture(scope="module")
+def trained(digits):
+    (x, y), (xt, yt) = digits
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8, 8, 1))
+    h = keras.layers.Conv2D(32, 3, padding="same", activation="relu")(inputs)
+    h = keras.layers.Conv2D(32, 3, padding="same", activation="relu")(h)
+    h = keras.layers.GlobalAveragePooling2D()(h)
+    h = keras.layers.Dense(64, activation="relu", name="fc")(h)
+    model = keras.Model(inputs, keras.layers.Dense(10, name="logits")(h))
+    model.compile(
+        keras.optimizers.Adam(3e-3),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    model.fit(x, y, epochs=5, batch_size=64, verbose=0)
+    return model, (x[:512], y[:512]), (xt, yt)
+
+
+def _top1(model, x, y):
+    return float(np.mean(np.argmax(model.predict(x, verbose=0), -1) == y))
+
+
+def _search(trained, **kwargs):
+    model, (x, y), (xt, yt) = trained
+    kwargs.setdefault("max_drop", 0.01)
+    return keras_mp.auto_quantize(
+        model,
+        x,
+        y,
+        eval_data=xt,
+        eval_labels=yt,
+        num_batches=2,
+        calibration_batches=4,
+        verbose=0,
+        **kwargs,
+    )
+
+
+def test_the_reported_metric_is_the_returned_models(trained):
+    model, _, (xt, yt) = trained
+    qmodel, report = _search(trained)
+    assert report.metric_float == pytest.approx(_top1(model, xt, yt))
+    assert report.metric == pytest.approx(_top1(qmodel, xt, yt))
+    assert report.drop <= report.max_drop
+    assert report.tried and all("drop" in t for t in report.tried)
+    # each layer is quantized as chosen, in its format; the rest float
+    formats = {
+        layer.name: {q.format.name for q in layer.owned_quantizers()}
+        for layer in quantized_layers(qmodel)
+    }
+    for choice in report.choices:
+        for path in choice.layers:
+            got = formats.get(path.rsplit("/", 1)[-1], {"float16"})
+            if choice.precision == "fp8" and got == {"int8"}:
+                continue  # a thin convolution TensorRT runs in INT8
+            assert got == {choice.precision}, (choice, got)
+    assert 0.0 <= report.quantized_flops <= 1.0
+    assert report.predicted["float16"] / report.predicted["chosen"] == (
+        pytest.approx(report.speedup_over_fp16)
+    )
+    assert "predicted speed-up over float16" in str(report)
+
+
+def test_a_loose_budget_takes_the_cheapest_configuration(trained):
+    _, report = _search(trained, max_drop=1.0, precisions=("int8", "float16"))
+    assert min(t["index"] for t in report.tried) == 0
+    assert report.tried[0]["cost"] == pytest.approx(report.predicted["chosen"])
+    assert report.predicted["chosen"] <= report.predicted["all int8"]
+    assert report.quantized_flops > 0.9
+
+
+def test_bits_cost_is_weight_bits(trained):
+    _, report = _search(trained, max_drop=1.0, cost="bits")
+    weights = {c.name: c.costs["float16"] / 16 for c in report.choices}
+    bits = sum(
+        weights[c.name] * (16 if c.precision == "float16" else 8)
+        for c in report.choices
+    )
+    assert report.effective_bits == pytest.approx(bits / sum(weights.values()))
+    assert report.effective_bits == pytest.approx(8.0)
+
+
+def test_the_returned_model_saves_and_loads(trained, tmp_path):
+    _, (x, _), _ = trained
+    qmodel, _ = _search(trained)
+    path = str(tmp_path / "auto.keras")
+    qmodel.save(path)
+    loaded = keras.models.load_model(path, safe_mode=True)
+    np.testing.assert_allclose(
+        loaded.predict(x[:64], verbose=0),
+        qmodel.predict(x[:64], verbose=0),
+        atol=1e-5,
+    )
+
+
+def test_lagrangian_configurations_run_from_cheapest_to_safest():
+    options = [
+        {"float16": (0.0, 10.0), "int8": (1.0, 5.0), "fp8": (3.0, 4.0)},
+        {"float16": (0.0, 10.0), "int8": (0.5, 9.0)},
+        {"float16": (0.0, 1.0), "int8": (2.0, 3.0)},  # int8 never pays
+    ]
+    configs = lagrangian_configs(options)
+    assert configs[0] == ["fp8", "int8", "float16"]
+    assert configs[-1] == ["float16", "float16", "float16"]
+    costs = [sum(o[p][1] for o, p in zip(options, c)) for c in configs]
+    scores = [sum(o[p][0] for o, p in zip(options, c)) for c in configs]
+    assert costs == sorted(costs) and scores == sorted(scores, reverse=True)
+    assert ["int8", "int8", "float16"] in configs  # fp8 -> int8 at lam 0.5
+    assert len(configs) == len({tuple(c) for c in configs}) == 4
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"max_drop": -0.1}, "max_drop` must be a number >= 0"),
+        ({"max_drop": "0.1"}, "max_drop` must be a number >= 0"),
+        ({"max_drop": float("nan")}, "max_drop` must be a number >= 0"),
+        ({"gpu": "GTX1080"}, "Known GPUs: T4, A100, L4, L40S, H100"),
+        ({"gpu": "T4"}, "fp8 cannot run on T4"),
+        ({"cost": "energy"}, "`cost` must be one of"),
+        ({"precisions": ("float16",)}, "no quantized format"),
+        ({"metric": lambda y, p: float("nan")}, "not a\\s+finite number"),
+    ],
+)
+def test_bad_input(trained, kwargs, match):
+    model, (x, y), _ = trained
+    with pytest.raises(ValueError, match=match):
+        keras_mp.auto_quantize(model, x, y, verbose=0, **kwargs)
+
+
+def test_labels_of_another_length(trained):
+    model, (x, y), _ = trained
+    with pytest.raises(ValueError, match="512 samples in `data` but 100"):
+        keras_mp.auto_quantize(model, x, y[:100], verbose=0)
