@@ -13,6 +13,7 @@ from keras_mp.cli.demo import demo_command_parser
 from keras_mp.cli.export import export_command_parser
 from keras_mp.cli.info import info_command_parser
 from keras_mp.cli.lint import lint_command_parser
+from keras_mp.cli.sensitivity import sensitivity_command_parser
 
 _PARSERS = (
     info_command_parser,
@@ -20,6 +21,7 @@ _PARSERS = (
     export_command_parser,
     lint_command_parser,
     compare_command_parser,
+    sensitivity_command_parser,
 )
 
 

@@ -1,6 +1,7 @@
 """`keras-mp export`: a `.keras` file to Q/DQ ONNX and/or SavedModel."""
 
 from keras_mp.cli._files import load_inputs, load_keras_model
+from keras_mp.cli.sensitivity import add_precision_arguments, load_labels
 
 
 def export_command_parser(subparsers):
@@ -16,8 +17,33 @@ def export_command_parser(subparsers):
         "name): quantize and calibrate first",
     )
     parser.add_argument(
-        "--method", default="max", help="calibrator (max, percentile, ...)"
+        "--method",
+        default=None,
+        help="calibrator (max, percentile, entropy, mse, auto; default max, "
+        "auto with --auto-quantize)",
     )
+    parser.add_argument(
+        "--auto-quantize",
+        action="store_true",
+        help="choose INT8 / FP8 / float16 per layer (keras_mp.auto_quantize) "
+        "on the --calibrate data, within --max-drop of float",
+    )
+    parser.add_argument(
+        "--max-drop",
+        type=float,
+        default=0.01,
+        help="largest top-1 drop allowed, as a fraction (0.01)",
+    )
+    parser.add_argument(
+        "--labels",
+        help="a .npy of labels for --calibrate (without: top-1 agreement "
+        "with the float model)",
+    )
+    parser.add_argument("--gpu", default="H100", help="the GPU priced (H100)")
+    parser.add_argument(
+        "--cost", choices=("latency", "bits"), default="latency"
+    )
+    add_precision_arguments(parser, ("int8", "fp8", "float16"))
     parser.add_argument(
         "--verify",
         help="inputs for the parity check, as --calibrate's (default: the "
@@ -51,11 +77,29 @@ def export_command(args):
             "Nothing to do: pass --onnx OUT.onnx and/or --saved-model DIR."
         )
     model = load_keras_model(args.model)
-    if args.calibrate:
+    if args.auto_quantize:
+        if not args.calibrate:
+            raise ValueError(
+                "--auto-quantize needs data: pass --calibrate DATA.npy (and "
+                "--labels LABELS.npy for top-1 accuracy)."
+            )
+        model, choice = keras_mp.auto_quantize(
+            model,
+            load_inputs(args.calibrate),
+            load_labels(args.labels),
+            max_drop=args.max_drop,
+            precisions=tuple(args.precisions.split(",")),
+            cost=args.cost,
+            gpu=args.gpu,
+            calibration=args.method or "auto",
+            batch_size=args.batch_size,
+        )
+        print(choice)
+    elif args.calibrate:
         model = keras_mp.quantize_model(model)
         print(
             keras_mp.calibrate(
-                model, load_inputs(args.calibrate), method=args.method
+                model, load_inputs(args.calibrate), method=args.method or "max"
             )
         )
     verify = (

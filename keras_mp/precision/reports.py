@@ -2,9 +2,10 @@
 tables, `to_dict()` and a plot."""
 
 import dataclasses
-import os
 
 import numpy as np
+
+from keras_mp.io import atomic_path
 
 
 @dataclasses.dataclass
@@ -138,15 +139,9 @@ class SensitivityReport:
         ax.legend()
         fig.tight_layout()
         if path is not None:
-            _keras_save_figure(fig, path)
+            with atomic_path(path, suffix=".png") as tmp:
+                fig.savefig(tmp, dpi=120)
         return fig
-
-
-def _keras_save_figure(fig, path):
-
-    tmp = f"{path}.tmp.png"
-    fig.savefig(tmp, dpi=120)
-    os.replace(tmp, path)
 
 
 @dataclasses.dataclass

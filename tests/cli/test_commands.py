@@ -126,6 +126,7 @@ def bad_files(tmp_path_factory):
     with zipfile.ZipFile(d / "noconfig.keras", "w") as z:
         z.writestr("metadata.json", json.dumps({"keras_version": "3.15.1"}))
     np.save(d / "x.npy", x)
+    np.save(d / "y.npy", np.arange(32) % 4)
     np.save(d / "x3d.npy", x[..., 0])
     np.save(d / "pickled.npy", np.array([{"a": 1}], dtype=object))
     (d / "existing.onnx").write_bytes(b"previous")
@@ -295,6 +296,80 @@ BAD_CLI = [
         lambda d: ["lint", f"{d}/valid.onnx", f"{d}/junk.onnx"],
         "unrecognized arguments",
     ),
+    (
+        "sensitivity_no_data",
+        lambda d: ["sensitivity", f"{d}/m.keras"],
+        "required: --data",
+    ),
+    (
+        "sensitivity_labels_unreadable",
+        lambda d: [
+            "sensitivity",
+            f"{d}/m.keras",
+            "--data",
+            f"{d}/x.npy",
+            "--labels",
+            f"{d}/pickled.npy",
+        ],
+        "Could not read .*pickled.npy",
+    ),
+    (
+        "sensitivity_unknown_precision",
+        lambda d: [
+            "sensitivity",
+            f"{d}/m.keras",
+            "--data",
+            f"{d}/x.npy",
+            "--precisions",
+            "int4",
+        ],
+        "precisions` must be a non-empty tuple",
+    ),
+    (
+        "sensitivity_quantized_model",
+        lambda d: ["sensitivity", f"{d}/q.keras", "--data", f"{d}/x.npy"],
+        "already quantized",
+    ),
+    (
+        "auto_quantize_without_data",
+        lambda d: ["export", f"{d}/m.keras", "--auto-quantize", *_onnx_out(d)],
+        "--auto-quantize needs data",
+    ),
+    (
+        "auto_quantize_negative_drop",
+        lambda d: [
+            "export",
+            f"{d}/m.keras",
+            "--auto-quantize",
+            "--max-drop=-0.1",
+            *_onnx_out(d, "--calibrate", f"{d}/x.npy"),
+        ],
+        "max_drop` must be a number >= 0",
+    ),
+    (
+        "auto_quantize_fp8_on_a_t4",
+        lambda d: [
+            "export",
+            f"{d}/m.keras",
+            "--auto-quantize",
+            "--gpu",
+            "T4",
+            *_onnx_out(d, "--calibrate", f"{d}/x.npy"),
+        ],
+        "fp8 cannot run on T4",
+    ),
+    (
+        "auto_quantize_unknown_gpu",
+        lambda d: [
+            "export",
+            f"{d}/m.keras",
+            "--auto-quantize",
+            "--gpu",
+            "V100",
+            *_onnx_out(d, "--calibrate", f"{d}/x.npy"),
+        ],
+        "Unknown GPU: 'V100'. Known GPUs: T4, A100",
+    ),
 ]
 
 
@@ -344,3 +419,31 @@ def test_cli_export_takes_an_npz_by_input_name(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "missing: ['token_ids'], unexpected: ['ids']" in err
     assert not (tmp_path / "b.onnx").exists()
+
+
+def test_cli_sensitivity_prints_the_table_and_writes_json_and_plot(
+    bad_files, tmp_path, capsys
+):
+    d = bad_files
+    argv = ["sensitivity", f"{d}/m.keras", "--data", f"{d}/x.npy"]
+    argv += ["--labels", f"{d}/y.npy", "--batches", "1"]
+    argv += ["--json", f"{tmp_path}/s.json", "--plot", f"{tmp_path}/s.png"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "gradient score" in out and "conv" in out and "fp8" in out
+    raw = json.loads((tmp_path / "s.json").read_text())
+    assert raw["method"] == "gradient" and raw["rows"]
+    assert (tmp_path / "s.png").stat().st_size > 1000
+
+
+def test_cli_export_auto_quantize(bad_files, tmp_path, capsys):
+    d = bad_files
+    out = tmp_path / "auto.onnx"
+    argv = ["export", f"{d}/m.keras", "--auto-quantize", "--max-drop", "1"]
+    argv += ["--calibrate", f"{d}/x.npy", "--labels", f"{d}/y.npy"]
+    argv += ["--gpu", "L40S", "--onnx", str(out)]
+    assert cli.main(argv) == 0
+    text = capsys.readouterr().out
+    assert "auto_quantize (latency on L40S)" in text
+    assert "predicted speed-up over float16" in text
+    assert out.exists() and "top-1 agreement" in text
