@@ -86,20 +86,34 @@ KERAS_QKV_RULE = r"^(.*?/mha_1)/(query_1|key_1|value_1)/MatMul$"
 CONVERSION_TOL = 1e-3
 
 
+# What AutoQuantize needs beyond bench_peers.py's ModelOpt venv (whose
+# SETUP is the first three steps): a venv made there is completed in place.
+EXTRAS = SETUP[3:]
+
+
 def setup_venv(path):
-    """Creates the ModelOpt venv at `path` with `SETUP` (any Python 3.11
-    with venv; nothing happens when `path`/bin/python exists)."""
+    """Creates the ModelOpt venv at `path` with `SETUP`, or, when it
+    exists without them (bench_peers.py's), installs `EXTRAS` into it."""
     import subprocess
 
-    if os.path.exists(os.path.join(path, "bin", "python")):
-        log(f"{path} exists; not reinstalling")
-        return
-    log(f"creating {path}")
-    subprocess.run([sys.executable, "-m", "venv", path], check=True)
-    for step in SETUP:
+    python = os.path.join(path, "bin", "python")
+    steps = SETUP
+    if os.path.exists(python):
+        # Found, not imported: onnx2torch's import needs torchvision.
+        probe = (
+            "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is "
+            "None for m in ('onnx2torch', 'requests', 'huggingface_hub')))"
+        )
+        if subprocess.run([python, "-c", probe]).returncode == 0:
+            log(f"{path} has what AutoQuantize needs; not reinstalling")
+            return
+        steps = EXTRAS
+    else:
+        log(f"creating {path}")
+        subprocess.run([sys.executable, "-m", "venv", path], check=True)
+    for step in steps:
         log("  " + " ".join(step))
-        cmd = [os.path.join(path, "bin", "python"), "-m"] + step
-        subprocess.run(cmd, check=True)
+        subprocess.run([python, "-m"] + step, check=True)
 
 
 def log(msg):
@@ -268,6 +282,30 @@ def logits_of(model, x, batch=250):
 
 def top1(logits, y):
     return round(100.0 * float(np.mean(np.argmax(logits, -1) == y)), 2)
+
+
+def time_phases():
+    """Times ModelOpt's loops over the data (each calibration, the scoring)
+    by wrapping the searchers' `_run_func` (private in 0.47; None when it is
+    gone). Returns the dict the times go into, by ModelOpt's description."""
+    from modelopt.torch.quantization import algorithms
+
+    base = getattr(algorithms, "_AutoQuantizeBaseSearcher", None)
+    original = getattr(base, "_run_func", None)
+    if original is None:
+        return None
+    phases = {}
+
+    def timed(self, func, num_iters=1, desc=""):
+        start = time.perf_counter()
+        try:
+            return original(self, func, num_iters=num_iters, desc=desc)
+        finally:
+            seconds = time.perf_counter() - start
+            phases[desc] = round(phases.get(desc, 0.0) + seconds, 1)
+
+    base._run_func = timed
+    return phases
 
 
 def agreement(logits, reference):
@@ -565,6 +603,7 @@ def main():
         search["quant_grouping_rules_added"] = [KERAS_QKV_RULE]
     log(f"auto_quantize, effective_bits {target}, {steps} batches of {a.batch}")
     state = None
+    phases = time_phases()
     try:
         start, cpu_start = time.perf_counter(), time.process_time()
         qmodel, state = mtq.auto_quantize(
@@ -586,6 +625,11 @@ def main():
         # On a shared machine, wall time far above CPU time / threads means
         # the search waited for a core.
         search["cpu_seconds"] = round(time.process_time() - cpu_start, 1)
+        if phases is not None:
+            search["phases_seconds"] = dict(phases)
+            search["phases_seconds"]["rest (setup, search, LP solve)"] = round(
+                search["seconds"] - sum(phases.values()), 1
+            )
         search["forward_passes"] = counts["forward_step"]
         search["backward_passes"] = counts["forward_backward_step"]
         search["forward_passes_note"] = (
