@@ -4,7 +4,7 @@ One float32 Keras model (`reference_cnn`, Fashion-MNIST) is trained once and
 saved (`.keras`, its float ONNX, its weights as `.npz`); every peer starts
 from it, on the same split, each in its own process:
 
-1. keras_mp PTQ (best of max / percentile / entropy / mse, chosen on a
+1. keras_mp PTQ (best of max / percentile / entropy / mse / auto, chosen on a
    validation slice of the training set) and keras_mp QAT (1 epoch, Adam,
    cosine decay from 1e-4), with a float32 control fine-tuned the same way.
 2. ONNX Runtime `quantize_static` on the float ONNX: QDQ, QInt8 weights and
@@ -553,6 +553,7 @@ def assemble(a, w, steps):
         "side_venvs": other_versions(a),
     }
     results["goals"] = goals(rows, kmp, tfmot)
+    results["calibrators"] = calibrator_table(rows, kmp)
     return results
 
 
@@ -696,6 +697,7 @@ def goals(rows, kmp, tfmot):
         "measured": others,
         "pass": bool(others) and not any(others.values()),
     }
+    out.update(calibrator_goals(rows, kmp))
     mo = [r for r in rows if r["peer"] == "ModelOpt" and r["lint"]]
     kq = [
         r
@@ -725,6 +727,48 @@ def goals(rows, kmp, tfmot):
                 for r in mo
             ],
             "pass": covered and most <= mo_qdq,
+        }
+    return out
+
+
+def calibrator_table(rows, kmp):
+    """Test top-1 of every PTQ calibrator: keras_mp's in Keras (its ONNX
+    matches, by the PTQ export's parity), ModelOpt's and ORT's in ONNX
+    Runtime without optimizations; the float32 model's beside them."""
+    table = {}
+    ref = _by(rows, "float32")
+    if ref and ref["test_top1_ort_reference"] is not None:
+        table["float32"] = ref["test_top1_ort_reference"]
+    for method, r in ((kmp or {}).get("ptq") or {}).items():
+        table[f"keras_mp {method}"] = r["keras_test_top1"]
+    for r in rows:
+        if r["kind"] == "PTQ" and r["peer"] in ("ModelOpt", "ONNX Runtime"):
+            if r["test_top1_ort_reference"] is not None:
+                table[r["label"]] = r["test_top1_ort_reference"]
+    return table
+
+
+def calibrator_goals(rows, kmp):
+    """Issue 25's calibrator goals: every keras_mp calibrator within 0.3
+    point of float32, and keras_mp's best PTQ (chosen on validation) at or
+    above ModelOpt's best on the same float model and images."""
+    table = calibrator_table(rows, kmp)
+    ours = {k: v for k, v in table.items() if k.startswith("keras_mp ")}
+    theirs = {k: v for k, v in table.items() if k.startswith("ModelOpt ")}
+    out = {}
+    if "float32" in table and ours:
+        gaps = {k: round(v - table["float32"], 2) for k, v in ours.items()}
+        out["every_keras_mp_calibrator_within_0.3_point_of_float32"] = {
+            "measured": gaps,
+            "pass": all(g >= -0.3 for g in gaps.values()),
+        }
+    best = (kmp or {}).get("best_ptq_method")
+    if best and theirs:
+        top = max(theirs, key=theirs.get)
+        out["keras_mp_best_ptq_at_least_modelopt_best"] = {
+            "keras_mp": f"{best} {ours[f'keras_mp {best}']:.2f}",
+            "modelopt": f"{top} {theirs[top]:.2f}",
+            "pass": ours[f"keras_mp {best}"] >= theirs[top],
         }
     return out
 

@@ -1,7 +1,7 @@
 """Peer benchmark (main venv): keras_mp PTQ and QAT from the shared float model.
 
 - PTQ: `quantize_model` + `calibrate` with each calibrator (max,
-  percentile, entropy, mse) on the shared calibration images; the best is
+  percentile, entropy, mse, auto) on the shared calibration images; the best is
   chosen by top-1 on the validation slice (never on the test set).
 - QAT: the model calibrated with percentile (keras_mp's QAT recipe, see
   bench_quantization) fine-tuned 1 epoch with Adam and a cosine decay from
@@ -46,7 +46,7 @@ from keras_mp.reference import (  # noqa: E402
     cosine_adam,
 )
 
-METHODS = ("max", "percentile", "entropy", "mse")
+METHODS = ("max", "percentile", "entropy", "mse", "auto")
 
 
 def top1(model, x, y):

@@ -37,6 +37,12 @@ GOAL_TITLES = {
     "control (tf_keras), mean over the fine-tune orders, for reference",
     "every_keras_mp_onnx_lint_clean": "every keras_mp ONNX passes the "
     "TensorRT lint",
+    "every_keras_mp_calibrator_within_0.3_point_of_float32": "every keras_mp "
+    "calibrator's PTQ test top-1 within 0.3 point of float32 (issue 25); "
+    "points vs float32",
+    "keras_mp_best_ptq_at_least_modelopt_best": "keras_mp's best PTQ "
+    "(calibrator chosen on validation) >= ModelOpt's best PTQ, same float "
+    "model and calibration images (issue 25)",
     "tfmot_and_keras_onnx_not_lint_clean": "tfmot's and Keras' own ONNX do not",
     "keras_mp_covers_every_weighted_op_with_no_more_qdq_than_modelopt": (
         "keras_mp covers every weighted op with no more Q/DQ nodes than "
@@ -111,10 +117,16 @@ def _goal_row(name, v):
             f"{', '.join(v['modelopt_weighted_covered'])}, "
             f"{v['modelopt_qdq']} Q/DQ nodes"
         )
-    elif isinstance(v.get("measured"), dict):
+    elif "modelopt" in v:
+        text = f"keras_mp {v['keras_mp']} vs {v['modelopt']}"
+    elif isinstance(v.get("measured"), dict) and all(
+        isinstance(x, bool) for x in v["measured"].values()
+    ):
         text = ", ".join(
             f"{k} {'PASS' if ok else 'FAIL'}" for k, ok in v["measured"].items()
         )
+    elif isinstance(v.get("measured"), dict):
+        text = ", ".join(f"{k} {x:+.2f}" for k, x in v["measured"].items())
     elif isinstance(v.get("measured"), list):
         text = ", ".join("PASS" if ok else "FAIL" for ok in v["measured"])
     else:
@@ -301,11 +313,33 @@ def markdown(results):
     if notes:
         lines += ["", "Notes:", ""] + [f"- {k}: {v}" for k, v in notes]
     lines += orders_table(results)
+    calibrators = results.get("calibrators") or {}
+    if calibrators:
+        lines += [
+            "",
+            "PTQ by calibrator, test top-1 % (keras_mp in Keras, its ONNX "
+            "matching; ModelOpt and ORT in ONNX Runtime without "
+            "optimizations), same float model and 2048 calibration images:",
+            "",
+            markdown_table(
+                ("calibrator", "top-1 %", "vs float32"),
+                [
+                    (
+                        k,
+                        f"{v:.2f}",
+                        ""
+                        if k == "float32" or "float32" not in calibrators
+                        else f"{v - calibrators['float32']:+.2f}",
+                    )
+                    for k, v in calibrators.items()
+                ],
+            ),
+        ]
     g = results["goals"]
     goal_rows = [_goal_row(name, v) for name, v in g.items()]
     lines += [
         "",
-        "Goals (issue 7), as measured:",
+        "Goals (issues 7 and 25), as measured:",
         "",
         markdown_table(("goal", "measured", "result"), goal_rows),
         *_qat_goal_note(g),

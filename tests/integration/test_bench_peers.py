@@ -77,3 +77,39 @@ def test_a_failed_tool_never_drops_a_goal(kmp_ok, tfmot_ok):
         }
         row = render._goal_row("keras_mp_qat_top1_at_least_every_peer", verdict)
         assert row[1:] == ("not measured: keras_mp QAT failed", "FAIL")
+
+
+def test_calibrator_goals_and_table():
+    rows = ROWS + [_row("float32", "float32", "float32", ort=85.0)]
+    kmp = {
+        "ptq": {
+            "max": {"keras_test_top1": 84.9},
+            "entropy": {"keras_test_top1": 84.6},
+            "auto": {"keras_test_top1": 85.2},
+        },
+        "best_ptq_method": "auto",
+    }
+    table = bench_peers.calibrator_table(rows, kmp)
+    assert table == {
+        "float32": 85.0,
+        "keras_mp max": 84.9,
+        "keras_mp entropy": 84.6,
+        "keras_mp auto": 85.2,
+        "ORT minmax": 85.0,
+        "ModelOpt entropy": 85.1,
+    }
+    goals = bench_peers.calibrator_goals(rows, kmp)
+    within = goals["every_keras_mp_calibrator_within_0.3_point_of_float32"]
+    assert within["measured"]["keras_mp entropy"] == -0.4
+    assert within["pass"] is False  # entropy is 0.4 below
+    best = goals["keras_mp_best_ptq_at_least_modelopt_best"]
+    assert best["pass"] is True and best["modelopt"] == "ModelOpt entropy 85.10"
+    kmp["best_ptq_method"] = "max"  # chosen on validation: 84.9 < 85.1
+    assert not bench_peers.calibrator_goals(rows, kmp)[
+        "keras_mp_best_ptq_at_least_modelopt_best"
+    ]["pass"]
+    title, text, verdict = render._goal_row(
+        "keras_mp_best_ptq_at_least_modelopt_best", best
+    )
+    assert "keras_mp auto 85.20 vs ModelOpt entropy 85.10" in text
+    assert verdict == "PASS"
