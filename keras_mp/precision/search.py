@@ -34,6 +34,7 @@ from keras_mp.precision.sensitivity import (
 )
 from keras_mp.quantization import twins
 from keras_mp.quantization.annotate import quantize_model
+from keras_mp.quantization.calibrate import calibrate
 from keras_mp.quantization.config import PRECISIONS, QuantizeConfig
 
 FLOAT = "float16"  # not quantized: TensorRT runs the layer in float16
@@ -167,13 +168,28 @@ def auto_quantize(
         _options(row, quantized, cost, gpu_row) for row in sensitivity.rows
     ]
     configs = lagrangian_configs(options)
+    recalibrations = []
+
+    def recalibrate(qmodel):
+        found = calibrate(
+            qmodel,
+            data,
+            method=calibration,
+            num_batches=calibration_batches,
+            batch_size=batch_size,
+            verbose=0,
+        )
+        recalibrations.append(found.batches)
+
     tried, best = [], None
     lo, hi = 0, len(configs) - 1
     built = {}
 
     def measure(index):
         if index not in built:
-            qmodel = _build(model, sensitivity.rows, configs[index], qmodels)
+            qmodel = _build(
+                model, sensitivity.rows, configs[index], qmodels, recalibrate
+            )
             value = evaluation.metric_of(qmodel) if qmodel else evaluation.base
             built[index] = (qmodel, value)
             tried.append(
@@ -215,6 +231,7 @@ def auto_quantize(
     predicted = _predicted(sensitivity.rows, configs[best], quantized, gpu_row)
     passes = dict(sensitivity.passes)
     passes["evaluation"] = evaluation.passes
+    passes["calibration"] += sum(recalibrations)
     report = AutoQuantizeReport(
         choices=choices,
         metric_float=evaluation.base,
@@ -366,7 +383,7 @@ def _quantized_flops(rows, config):
     return float(done / total) if total else 0.0
 
 
-def _build(model, rows, config, qmodels):
+def _build(model, rows, config, qmodels, recalibrate):
     """The model quantized as `config` says, its ranges copied from the
     calibrated model of each layer's precision (calibrated afresh only
     when a quantizer has no counterpart there). None when nothing is
@@ -397,6 +414,19 @@ def _build(model, rows, config, qmodels):
         p: {q.name: q.quantizer for q in twins.quantizers(m)}
         for p, m in qmodels.items()
     }
+    if _copy_ranges(qmodel, sources, by_path):
+        # a quantizer the per-precision models do not have (a placement
+        # that depends on the neighbours' choice): calibrate this model,
+        # then keep the shared ranges identical to theirs
+        recalibrate(qmodel)
+        _copy_ranges(qmodel, sources, by_path)
+    _models.reset_compiled_functions(qmodel)
+    return qmodel
+
+
+def _copy_ranges(qmodel, sources, by_path):
+    """Copies each quantizer's range from the calibrated model of its
+    layer's precision; returns the names it found no range for."""
     missing = []
     for q in twins.quantizers(qmodel):
         owned = q.layer is not q.quantizer
@@ -408,12 +438,7 @@ def _build(model, rows, config, qmodels):
             missing.append(q.name)
             continue
         q.quantizer.amax.assign(source.amax)
-    if missing:
-        raise RuntimeError(
-            f"auto_quantize: no calibrated range for {missing[:4]}"
-        )
-    _models.reset_compiled_functions(qmodel)
-    return qmodel
+    return missing
 
 
 def _member_of(ids):

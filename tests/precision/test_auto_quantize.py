@@ -145,3 +145,42 @@ def test_labels_of_another_length(trained):
     model, (x, y), _ = trained
     with pytest.raises(ValueError, match="512 samples in `data` but 100"):
         keras_mp.auto_quantize(model, x, y[:100], verbose=0)
+
+
+def test_a_quantizer_without_a_calibrated_twin_is_calibrated(trained):
+    """`_build` copies ranges from the per-precision models; a quantizer
+    they lack is calibrated on the data, the others keep the copies."""
+    from keras_mp.precision.search import _build
+    from keras_mp.precision.sensitivity import score_layers
+
+    model, (x, y), _ = trained
+    report, _ = score_layers(
+        model,
+        x,
+        y,
+        ("int8",),
+        num_batches=1,
+        calibration_batches=2,
+        verbose=0,
+    )
+    partial = keras_mp.quantize_model(model, layers="fc")  # only fc
+    keras_mp.calibrate(partial, x, verbose=0)
+    calls = []
+
+    def recalibrate(qmodel):
+        calls.append(qmodel)
+        keras_mp.calibrate(qmodel, x[:128], method="max", verbose=0)
+
+    config = ["int8"] * len(report.rows)
+    qmodel = _build(model, report.rows, config, {"int8": partial}, recalibrate)
+    assert len(calls) == 1
+    ranges = {
+        q.name: float(q.quantizer.amax.numpy().max())
+        for q in keras_mp.quantization.twins.quantizers(qmodel)
+    }
+    source = {
+        q.name: float(q.quantizer.amax.numpy().max())
+        for q in keras_mp.quantization.twins.quantizers(partial)
+    }
+    assert ranges["fc/input_0"] == source["fc/input_0"]
+    assert all(v > 0 for v in ranges.values()), ranges
