@@ -200,6 +200,14 @@ def auto_quantize(
                     "drop": evaluation.base - value,
                 }
             )
+            if verbose:
+                quantized_layers = sum(p != FLOAT for p in configs[index])
+                print(
+                    f"auto_quantize: configuration {index} of "
+                    f"{len(configs) - 1} ({quantized_layers} of "
+                    f"{len(configs[index])} layers quantized): drop "
+                    f"{evaluation.base - value:.4g} (budget {max_drop})"
+                )
         return built[index]
 
     # bisection for the first (cheapest) configuration within the budget
