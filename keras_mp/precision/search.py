@@ -30,6 +30,7 @@ from keras_mp.precision import cost as cost_model
 from keras_mp.precision.reports import AutoQuantizeReport, Choice
 from keras_mp.precision.sensitivity import (
     labelled_batches,
+    precision_tuple,
     score_layers,
 )
 from keras_mp.quantization import twins
@@ -129,15 +130,7 @@ def auto_quantize(
         raise ValueError(
             f"`cost` must be one of {list(COSTS)}. Received: {cost!r}"
         )
-    if isinstance(precisions, str):
-        precisions = (precisions,)
-    precisions = tuple(precisions)
-    known = (*PRECISIONS, FLOAT)
-    if not precisions or any(p not in known for p in precisions):
-        raise ValueError(
-            f"`precisions` must be a tuple of {list(known)}. Received: "
-            f"{precisions!r}"
-        )
+    precisions = precision_tuple(precisions, (*PRECISIONS, FLOAT), caller)
     quantized = tuple(p for p in precisions if p != FLOAT)
     if not quantized:
         raise ValueError(

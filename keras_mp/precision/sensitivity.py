@@ -109,7 +109,7 @@ def layer_sensitivity(
     return report
 
 
-def check_precisions(precisions, allowed, caller):
+def precision_tuple(precisions, allowed, caller):
     """`precisions` as a tuple, or a ValueError naming what is allowed."""
     if isinstance(precisions, str):
         precisions = (precisions,)
@@ -142,7 +142,7 @@ def score_layers(
     start = time.perf_counter()
     _models.check_model(model, caller)
     twins.check_float(model, caller)
-    precisions = check_precisions(precisions, PRECISIONS, caller)
+    precisions = precision_tuple(precisions, PRECISIONS, caller)
     for name, value in (
         ("num_batches", num_batches),
         ("batch_size", batch_size),
