@@ -157,9 +157,9 @@ def score_layers(
     batches = list(
         labelled_batches(data, labels, batch_size, num_batches, specs, caller)
     )
-    labelled = loss is not None or batches[0][1] is not None
-    method = "gradient" if labelled else "kl"
-    if method == "gradient" and any(y is None for _, y in batches):
+    with_labels = [y is not None for _, y in batches]
+    method = "gradient" if loss is not None or any(with_labels) else "kl"
+    if any(with_labels) and not all(with_labels):
         raise ValueError(
             f"`{caller}`: some batches have labels and some do not. Give "
             "labels for every batch, or none."
@@ -214,7 +214,8 @@ def score_layers(
             scores, works = _kl_scores(
                 qmodel, found, batches, specs, float_out, verbose, p
             )
-            passes["forward"] += len(batches) * (len(found) + 1)
+            # one pass for the layers' shapes, one per layer and batch
+            passes["forward"] += 1 + len(batches) * len(found)
         twins.set_quantization_enabled(qmodel, True)
         for name, members in found.items():
             row = rows[name]
@@ -464,11 +465,17 @@ def _outputs(model, x, specs):
     return [np.asarray(_keras.to_numpy(t), np.float64) for t in _tensors(out)]
 
 
+def _is_probabilities(y):
+    """Non-negative rows summing to 1 over the last axis (a softmax
+    output), as opposed to logits."""
+    return bool(np.all(y >= 0) and np.allclose(y.sum(-1), 1.0, atol=1e-3))
+
+
 def _probabilities(y):
     """`y` as probabilities over its last axis: itself when it already is
-    one (non-negative, rows summing to 1), else its softmax."""
+    one, else its softmax; None for a one-value output."""
     if y.ndim and y.shape[-1] > 1:
-        if np.all(y >= 0) and np.allclose(y.sum(-1), 1.0, atol=1e-3):
+        if _is_probabilities(y):
             return np.clip(y, 1e-12, None)
         e = np.exp(y - y.max(-1, keepdims=True))
         return e / e.sum(-1, keepdims=True)
@@ -503,13 +510,10 @@ def _loss(loss, y, outputs):
     out = tf.cast(found[0], tf.float32)
     y = np.asarray(y)
     if y.dtype.kind in "iub" and out.shape[-1] and out.shape[-1] > 1:
-        probs = _probabilities(out.numpy()) is not None and bool(
-            np.all(out.numpy() >= 0)
-            and np.allclose(out.numpy().sum(-1), 1.0, atol=1e-3)
-        )
+        logits = not _is_probabilities(out.numpy())
         return tf.reduce_mean(
             keras.losses.sparse_categorical_crossentropy(
-                y, out, from_logits=not probs
+                y, out, from_logits=logits
             )
         )
     return tf.reduce_mean(tf.square(out - tf.cast(y, tf.float32)))

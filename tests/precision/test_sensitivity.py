@@ -235,3 +235,21 @@ def test_dataset_labels_give_the_gradient_score(trained):
     for a, b in zip(report.rows, arrays.rows):
         assert a.name == b.name
         assert a.scores["int8"] == pytest.approx(b.scores["int8"], rel=1e-5)
+
+
+def test_a_loss_without_labels_gives_the_gradient_score(trained):
+    """A label-free loss (here: the logits' squared norm) is
+    differentiated as given; the KL path is not taken."""
+    models, x, _ = trained
+    report = keras_mp.layer_sensitivity(
+        models["mlp"],
+        x,
+        precisions=("int8",),
+        loss=lambda y, out: tf.reduce_mean(tf.square(out)),
+        num_batches=1,
+        calibration_batches=2,
+        verbose=0,
+    )
+    assert report.method == "gradient"
+    assert all(r.scores["int8"] > 0 for r in report.rows)
+    assert report.passes == {"calibration": 2, "forward": 1, "backward": 1}
