@@ -27,6 +27,7 @@ SECTIONS = [
     ("hub", "keras-hub backbones, one row per class (issue 23)"),
     ("typed", "Strongly typed graphs (issue 24)"),
     ("fp8", "FP8 E4M3 beside INT8, and ModelOpt FP8"),
+    ("sensitivity", "Layer sensitivity and auto_quantize (issue 25)"),
 ]
 
 

@@ -1,0 +1,422 @@
+"""`layer_sensitivity` and `auto_quantize` on networks trained on real data.
+
+Issue 25: does the per-layer search keep a trained network within an
+accuracy budget while quantizing most of its work?
+
+- data: Fashion-MNIST (Debian's `dataset-fashion-mnist`). The last
+  `VALIDATION` training images are held out of training: `auto_quantize`
+  measures its metric on them (`eval_data`), never on the test set; the
+  first `CALIBRATION` training images calibrate and score
+  (`calibration_batches` 16 of 64, scoring on the first 4 batches);
+- models: `keras_mp.reference.reference_cnn(width=16)` (28x28, 3 epochs),
+  and `keras.applications` MobileNetV2 (alpha 0.35, 2 epochs) and
+  EfficientNetB0 (1 epoch) at 32x32, built and trained as
+  `bench_trained_parity.py` does (BatchNorm momentum 0.9, Adam with cosine
+  decay from 2e-3); float32 policy, logits out;
+- baselines: all-INT8 and all-FP8 PTQ (`quantize_model` + `calibrate`,
+  method "auto", on the same calibration images);
+- `auto_quantize(precisions=("int8", "fp8", "float16"), cost="latency",
+  gpu="H100", max_drop=...)`, then `cost="bits"` as a second row;
+- reported per model: float32, PTQ and auto-quantized top-1 on the 10,000
+  test images; the choice counts, fraction of FLOPs quantized, predicted
+  H100 speed-up over float16 (chosen, all INT8, all FP8), effective
+  weight bits, search wall time and passes; the top 5 of the sensitivity
+  ranking. Goals (PASS or FAIL as measured): auto-quantized test top-1
+  within `max_drop` of float32, and >= 80% of the FLOPs quantized.
+
+`placement.MIN_GEMM_DIM` stays at its default: layers too small for
+Tensor Cores are not quantized.
+
+    python benchmarks/bench_sensitivity.py [--quick] [--models NAME ...]
+        [--max-drop 0.005]
+"""
+
+import argparse
+import os
+import sys
+import time
+import traceback
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+from bench_trained_parity import MODELS as APPLICATIONS  # noqa: E402
+from bench_trained_parity import build, load_data, train  # noqa: E402
+
+import keras_mp  # noqa: E402
+from keras_mp.datasets import shuffled_batches  # noqa: E402
+from keras_mp.reference import compile_classifier, reference_cnn  # noqa: E402
+
+MIN_QUANTIZED_FLOPS = 0.8
+VALIDATION = 5000
+CALIBRATION = 1024
+EVAL_BATCH = 500
+GPU = "H100"
+TOP = 5
+QUICK = {"train_images": 16384, "test_images": 2000, "validation": 2000}
+MODELS = ("reference_cnn", *APPLICATIONS)
+
+INTRO = (
+    "`keras_mp.auto_quantize` (INT8, FP8 or float16 per layer, least "
+    "predicted H100 latency within `max_drop` of float on a validation "
+    "slice of the training images) against all-INT8 and all-FP8 PTQ "
+    "(`calibrate` method auto), on networks trained in float32 on "
+    "Fashion-MNIST: the reference CNN (width 16) and `keras.applications` "
+    "MobileNetV2 (alpha 0.35) and EfficientNetB0 at 32x32. Top-1 on the "
+    "test images, which the search never sees. Predicted speed-ups come "
+    "from the cost model (`docs/latency_model.md`), not a GPU. Goals: "
+    "auto-quantized test top-1 within `max_drop` of float32, >= 80% of "
+    "the FLOPs quantized."
+)
+
+
+def _data(name, quick):
+    """`(x_train, y_train), (x_val, y_val), (x_test, y_test)`."""
+    train_images = QUICK["train_images"] if quick else 60000
+    test_images = QUICK["test_images"] if quick else 10000
+    validation = QUICK["validation"] if quick else VALIDATION
+    if name == "reference_cnn":
+        (x, y), (xt, yt) = keras_mp.datasets.load_fashion_mnist()
+        x, y, xt, yt = x[:train_images], y[:train_images], xt, yt
+        xt, yt = xt[:test_images], yt[:test_images]
+    else:
+        (x, y), (xt, yt) = load_data(
+            APPLICATIONS[name], train_images, test_images
+        )
+    held = len(x) - validation
+    return (x[:held], y[:held]), (x[held:], y[held:]), (xt, yt)
+
+
+def _trained(name, x, y, quick):
+    """The float32 model `name`, trained; and its epochs."""
+    if name == "reference_cnn":
+        keras.utils.set_random_seed(0)
+        model = compile_classifier(reference_cnn(x.shape[1:], width=16))
+        epochs = 1 if quick else 3
+        model.fit(shuffled_batches(x, y, 128), epochs=epochs, verbose=2)
+        return model, epochs
+    spec = APPLICATIONS[name]
+    epochs = 1 if quick else spec.epochs
+    return train(build(spec, x.shape[1:]), x, y, epochs), epochs
+
+
+def _top1(model, x, y):
+    logits = model.predict(x, batch_size=EVAL_BATCH, verbose=0)
+    return float(np.mean(np.argmax(logits, -1) == y))
+
+
+def _ptq(model, precision, x_cal):
+    qmodel = keras_mp.quantize_model(model, precision=precision)
+    keras_mp.calibrate(qmodel, x_cal, method="auto", verbose=0)
+    return qmodel
+
+
+def _counts(report):
+    counts = {}
+    for choice in report.choices:
+        counts[choice.precision] = counts.get(choice.precision, 0) + 1
+    return dict(sorted(counts.items()))
+
+
+def _error(error):
+    tail = traceback.format_exception(error)[-6:]
+    return {"error": f"{type(error).__name__}: {error}", "traceback": tail}
+
+
+def _search(model, cost, data, xt, yt, max_drop):
+    """One `auto_quantize` run and the test top-1 of its model."""
+    (xc, yc), (xv, yv) = data
+    row = {"cost": cost}
+    try:
+        qmodel, report = keras_mp.auto_quantize(
+            model,
+            xc,
+            yc,
+            max_drop=max_drop,
+            precisions=("int8", "fp8", "float16"),
+            cost=cost,
+            gpu=GPU,
+            eval_data=xv,
+            eval_labels=yv,
+            verbose=0,
+        )
+    except Exception as error:  # a finding, recorded in the table
+        traceback.print_exc()
+        row.update(_error(error))
+        return row, None
+    print(report, flush=True)
+    row.update(
+        test_top1=_top1(qmodel, xt, yt),
+        choices=_counts(report),
+        val_top1_float=report.metric_float,
+        val_top1=report.metric,
+        val_drop=report.drop,
+        quantized_flops=report.quantized_flops,
+        effective_bits=report.effective_bits,
+        predicted=report.predicted,
+        speedup_over_fp16=report.speedup_over_fp16,
+        configurations_measured=len(report.tried),
+        passes=report.passes,
+        seconds=report.seconds,
+        report=report.to_dict(),
+    )
+    return row, report
+
+
+def _ranking(report):
+    rows = []
+    for row in report.sensitivity.rows[:TOP]:
+        rows.append(
+            {
+                "name": row.name,
+                "type": row.layer_type,
+                "scores": row.scores,
+                "formats": row.formats,
+                "flops": None if row.work is None else float(row.work.flops),
+            }
+        )
+    return rows
+
+
+def measure(name, quick, max_drop, costs):
+    """Trains `name`, quantizes it every way, returns one result dict."""
+    (x, y), (xv, yv), (xt, yt) = _data(name, quick)
+    start = time.perf_counter()
+    model, epochs = _trained(name, x, y, quick)
+    out = {
+        "model": name,
+        "params": int(model.count_params()),
+        "train_images": len(x),
+        "epochs": epochs,
+        "train_seconds": time.perf_counter() - start,
+        "validation_images": len(xv),
+        "calibration_images": CALIBRATION,
+        "test_images": len(xt),
+        "float_top1": _top1(model, xt, yt),
+    }
+    xc, yc = x[:CALIBRATION], y[:CALIBRATION]
+    for precision in ("int8", "fp8"):
+        try:
+            qmodel = _ptq(model, precision, xc)
+            out[f"{precision}_top1"] = _top1(qmodel, xt, yt)
+        except Exception as error:  # a finding, recorded in the table
+            traceback.print_exc()
+            out[f"{precision}_error"] = _error(error)["error"]
+    out["searches"] = []
+    for cost in costs:
+        row, report = _search(
+            model, cost, ((xc, yc), (xv, yv)), xt, yt, max_drop
+        )
+        if "test_top1" in row:
+            row["test_drop"] = out["float_top1"] - row["test_top1"]
+            row["goal_drop"] = row["test_drop"] <= max_drop
+            row["goal_flops"] = row["quantized_flops"] >= MIN_QUANTIZED_FLOPS
+        if report is not None and "ranking" not in out:
+            out["ranking"] = _ranking(report)
+        out["searches"].append(row)
+    return out
+
+
+def _pct(value):
+    return "-" if value is None else f"{100 * value:.2f}"
+
+
+def _verdict(ok):
+    return "-" if ok is None else ("PASS" if ok else "FAIL")
+
+
+def _tables(results, max_drop):
+    from _common import markdown_table
+
+    trained = markdown_table(
+        [
+            "model",
+            "parameters",
+            "train images x epochs",
+            "train s",
+            "float32 top-1 %",
+            "all-INT8 PTQ top-1 %",
+            "all-FP8 PTQ top-1 %",
+        ],
+        [
+            [
+                r["model"],
+                f"{r['params']:,}",
+                f"{r['train_images']:,} x {r['epochs']}",
+                f"{r['train_seconds']:.0f}",
+                _pct(r["float_top1"]),
+                _pct(r.get("int8_top1")) + _note(r.get("int8_error")),
+                _pct(r.get("fp8_top1")) + _note(r.get("fp8_error")),
+            ]
+            for r in results
+        ],
+    )
+    body = []
+    for r in results:
+        for s in r["searches"]:
+            if "error" in s:
+                body.append(
+                    [r["model"], s["cost"], f"error: `{s['error']}`"]
+                    + ["-"] * 12
+                )
+                continue
+            p = s["predicted"]
+            fp16 = p["float16"]
+            body.append(
+                [
+                    r["model"],
+                    s["cost"],
+                    _pct(s["test_top1"]),
+                    f"{100 * s['test_drop']:+.2f}",
+                    _verdict(s["goal_drop"]),
+                    f"{100 * s['val_drop']:+.2f}",
+                    ", ".join(f"{k} {v}" for k, v in s["choices"].items()),
+                    f"{100 * s['quantized_flops']:.1f}",
+                    _verdict(s["goal_flops"]),
+                    f"{fp16 / p['chosen']:.2f}",
+                    f"{fp16 / p['all int8']:.2f}",
+                    f"{fp16 / p['all fp8']:.2f}",
+                    f"{s['effective_bits']:.2f}",
+                    f"{s['seconds']:.0f}",
+                    f"{s['configurations_measured']}; "
+                    + ", ".join(f"{k} {v}" for k, v in s["passes"].items()),
+                ]
+            )
+    search = markdown_table(
+        [
+            "model",
+            "cost",
+            "auto top-1 %",
+            "drop vs float32 (points)",
+            f"goal drop <= {100 * max_drop:g}",
+            "validation drop (points)",
+            "choices (layers)",
+            "FLOPs quantized %",
+            f"goal >= {100 * MIN_QUANTIZED_FLOPS:.0f}%",
+            "H100 speed-up over FP16: chosen",
+            "all INT8",
+            "all FP8",
+            "effective bits",
+            "search s",
+            "configurations measured; passes",
+        ],
+        body,
+    )
+    ranking = []
+    for r in results:
+        for i, row in enumerate(r.get("ranking", []), 1):
+            ranking.append(
+                [
+                    r["model"],
+                    i,
+                    f"`{row['name']}`",
+                    row["type"],
+                    ", ".join(f"{k} {v:.3g}" for k, v in row["scores"].items()),
+                    "-" if row["flops"] is None else f"{row['flops']:.3g}",
+                ]
+            )
+    top = markdown_table(
+        ["model", "rank", "layer", "type", "scores", "FLOPs"], ranking
+    )
+    return (
+        trained
+        + "\n\n"
+        + search
+        + f"\n\nThe {TOP} most sensitive layers (gradient scores, "
+        "`report.sensitivity.rows`):\n\n" + top
+    )
+
+
+def _note(error):
+    return f" (error: `{error}`)" if error else ""
+
+
+def _summary(results, max_drop):
+    latency = [
+        s
+        for r in results
+        for s in r["searches"]
+        if s["cost"] == "latency" and "error" not in s
+    ]
+    both = sum(bool(s["goal_drop"] and s["goal_flops"]) for s in latency)
+    failed = sum("error" in s for r in results for s in r["searches"])
+    text = (
+        f"{len(results)} trained models, max_drop {max_drop} "
+        f"({100 * max_drop:g} point): {both}/{len(latency)} latency "
+        "searches meet both goals"
+    )
+    if failed:
+        text += f"; {failed} search(es) raised an error (table)"
+    parts = []
+    for r in results:
+        s = r["searches"][0]
+        if "int8_top1" not in r or "test_top1" not in s:
+            continue
+        parts.append(
+            f"{r['model']} "
+            f"{100 * (r['float_top1'] - r['int8_top1']):+.2f} all-INT8, "
+            f"{100 * s['test_drop']:+.2f} auto ({s['cost']})"
+        )
+    if parts:
+        text += (
+            ". Test top-1 drop from float32, points (+ = lower): "
+            + "; ".join(parts)
+        )
+    return text + "."
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"smoke run: {QUICK['train_images']} training images, one "
+        f"epoch, {QUICK['test_images']} test images",
+    )
+    parser.add_argument("--models", nargs="+", choices=MODELS)
+    parser.add_argument(
+        "--max-drop",
+        type=float,
+        default=0.005,
+        help="auto_quantize's budget, top-1 as a fraction (default 0.005)",
+    )
+    parser.add_argument(
+        "--no-bits",
+        action="store_true",
+        help="skip the cost='bits' search",
+    )
+    args = parser.parse_args()
+    from _common import write_results
+
+    costs = ("latency",) if args.no_bits else ("latency", "bits")
+    results = []
+    for name in args.models or MODELS:
+        start = time.perf_counter()
+        results.append(measure(name, args.quick, args.max_drop, costs))
+        results[-1]["seconds"] = time.perf_counter() - start
+        print(f"{name}: {results[-1]['seconds']:.0f} s", flush=True)
+        keras.backend.clear_session()
+        # Written after every model: a long run keeps what it measured.
+        summary = _summary(results, args.max_drop)
+        markdown = (
+            INTRO + "\n\n" + summary + "\n\n" + _tables(results, args.max_drop)
+        )
+        write_results(
+            "sensitivity",
+            {
+                "summary": summary,
+                "goals": {
+                    "max_drop": args.max_drop,
+                    "min_quantized_flops": MIN_QUANTIZED_FLOPS,
+                },
+                "gpu": GPU,
+                "models": results,
+            },
+            markdown,
+        )
+
+
+if __name__ == "__main__":
+    main()
