@@ -12,7 +12,9 @@ accuracy budget while quantizing most of its work?
   and `keras.applications` MobileNetV2 (alpha 0.35, 2 epochs) and
   EfficientNetB0 (1 epoch) at 32x32, built and trained as
   `bench_trained_parity.py` does (BatchNorm momentum 0.9, Adam with cosine
-  decay from 2e-3); float32 policy, logits out;
+  decay from 2e-3); the ViT of `keras-mp demo` (keras-hub `ViTBackbone`,
+  `keras_mp.cli.demo_vit.vit_classifier`, 3 epochs); float32 policy,
+  logits out;
 - baselines: all-INT8 and all-FP8 PTQ (`quantize_model` + `calibrate`,
   method "auto", on the same calibration images);
 - `auto_quantize(precisions=("int8", "fp8", "float16"), cost="latency",
@@ -22,18 +24,24 @@ accuracy budget while quantizing most of its work?
   H100 speed-up over float16 (chosen, all INT8, all FP8), effective
   weight bits, search wall time and passes; the top 5 of the sensitivity
   ranking. Goals (PASS or FAIL as measured): auto-quantized test top-1
-  within `max_drop` of float32, and >= 80% of the FLOPs quantized.
+  within `max_drop` of float32, and >= 80% of the FLOPs quantized;
+- with `--modelopt VENV`: ModelOpt AutoQuantize on the same float model
+  (its ONNX through onnx2torch, `peers/modelopt_autoquant.py`), the same
+  calibration and test images, at effective bits 8 and at keras_mp's.
 
 `placement.MIN_GEMM_DIM` stays at its default: layers too small for
 Tensor Cores are not quantized.
 
     python benchmarks/bench_sensitivity.py [--quick] [--models NAME ...]
-        [--max-drop 0.005]
+        [--max-drop 0.005] [--modelopt VENV] [--merge]
 """
 
 import argparse
+import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 
@@ -56,7 +64,9 @@ EVAL_BATCH = 500
 GPU = "H100"
 TOP = 5
 QUICK = {"train_images": 16384, "test_images": 2000, "validation": 2000}
-MODELS = ("reference_cnn", *APPLICATIONS)
+MODELS = ("reference_cnn", *APPLICATIONS, "vit")
+VIT_EPOCHS = 3
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 INTRO = (
     "`keras_mp.auto_quantize` (INT8, FP8 or float16 per layer, least "
@@ -64,7 +74,8 @@ INTRO = (
     "slice of the training images) against all-INT8 and all-FP8 PTQ "
     "(`calibrate` method auto), on networks trained in float32 on "
     "Fashion-MNIST: the reference CNN (width 16) and `keras.applications` "
-    "MobileNetV2 (alpha 0.35) and EfficientNetB0 at 32x32. Top-1 on the "
+    "MobileNetV2 (alpha 0.35) and EfficientNetB0 at 32x32, and the ViT of "
+    "`keras-mp demo`. Top-1 on the "
     "test images, which the search never sees. Predicted speed-ups come "
     "from the cost model (`docs/latency_model.md`), not a GPU. Goals: "
     "auto-quantized test top-1 within `max_drop` of float32, >= 80% of "
@@ -77,7 +88,7 @@ def _data(name, quick):
     train_images = QUICK["train_images"] if quick else 60000
     test_images = QUICK["test_images"] if quick else 10000
     validation = QUICK["validation"] if quick else VALIDATION
-    if name == "reference_cnn":
+    if name in ("reference_cnn", "vit"):
         (x, y), (xt, yt) = keras_mp.datasets.load_fashion_mnist()
         x, y, xt, yt = x[:train_images], y[:train_images], xt, yt
         xt, yt = xt[:test_images], yt[:test_images]
@@ -95,6 +106,17 @@ def _trained(name, x, y, quick):
         keras.utils.set_random_seed(0)
         model = compile_classifier(reference_cnn(x.shape[1:], width=16))
         epochs = 1 if quick else 3
+        model.fit(shuffled_batches(x, y, 128), epochs=epochs, verbose=2)
+        return model, epochs
+    if name == "vit":
+        from keras_mp.cli import demo_vit
+
+        keras.utils.set_random_seed(0)
+        model = compile_classifier(
+            demo_vit.vit_classifier(x.shape[1:]),
+            learning_rate=demo_vit.TRAIN_LEARNING_RATE,
+        )
+        epochs = 1 if quick else VIT_EPOCHS
         model.fit(shuffled_batches(x, y, 128), epochs=epochs, verbose=2)
         return model, epochs
     spec = APPLICATIONS[name]
@@ -180,7 +202,57 @@ def _ranking(report):
     return rows
 
 
-def measure(name, quick, max_drop, costs):
+def _modelopt(name, model, calibration, test, bits, venv):
+    """ModelOpt AutoQuantize (PyTorch, through onnx2torch:
+    `peers/modelopt_autoquant.py` in its own venv) on the same float
+    model, calibration and test images, at effective bits 8.0 (every
+    searched layer INT8 or FP8) and at keras_mp's chosen effective bits."""
+    (xc, yc), (xt, yt) = calibration, test
+    with tempfile.TemporaryDirectory() as tmp:
+        onnx_path = os.path.join(tmp, f"{name}.onnx")
+        keras_mp.export_onnx(model, onnx_path, verify_data=xt[:256])
+        data = os.path.join(tmp, "data.npz")
+        np.savez(data, x_calib=xc, y_calib=yc, x_eval=xt, y_eval=yt)
+        out = os.path.join(tmp, "out.json")
+        targets = sorted({8.0, *(round(b, 2) for b in bits)})
+        command = [
+            os.path.join(venv, "bin", "python"),
+            os.path.join(HERE, "peers", "modelopt_autoquant.py"),
+            "--onnx", onnx_path, "--data", data, "--out", out,
+            "--name", name,
+            "--effective-bits", *[str(b) for b in targets],
+        ]  # fmt: skip
+        run = subprocess.run(command, capture_output=True, text=True)
+        if run.returncode != 0 or not os.path.exists(out):
+            return {"error": (run.stderr or run.stdout)[-2000:]}
+        with open(out) as f:
+            found = json.load(f)
+    return {
+        "float_top1": found.get("float_top1"),
+        "search": {
+            k: v
+            for k, v in (found.get("search") or {}).items()
+            if k in ("seconds", "forward_passes", "backward_passes", "ok")
+        },
+        "targets": [
+            {
+                k: t.get(k)
+                for k in (
+                    "effective_bits_target",
+                    "effective_bits",
+                    "formats_summary",
+                    "top1",
+                    "top1_agreement_vs_float",
+                )
+            }
+            for t in found.get("targets", [])
+        ],
+        "errors": found.get("errors") or {},
+        "notes": found.get("notes") or [],
+    }
+
+
+def measure(name, quick, max_drop, costs, modelopt=None):
     """Trains `name`, quantizes it every way, returns one result dict."""
     (x, y), (xv, yv), (xt, yt) = _data(name, quick)
     start = time.perf_counter()
@@ -216,6 +288,17 @@ def measure(name, quick, max_drop, costs):
         if report is not None and "ranking" not in out:
             out["ranking"] = _ranking(report)
         out["searches"].append(row)
+    if modelopt:
+        bits = [
+            r["effective_bits"] for r in out["searches"] if "error" not in r
+        ]
+        try:
+            out["modelopt"] = _modelopt(
+                name, model, (xc, yc), (xt, yt), bits, modelopt
+            )
+        except Exception as error:  # a finding, recorded in the table
+            traceback.print_exc()
+            out["modelopt"] = _error(error)
     return out
 
 
@@ -325,7 +408,69 @@ def _tables(results, max_drop):
         + "\n\n"
         + search
         + f"\n\nThe {TOP} most sensitive layers (gradient scores, "
-        "`report.sensitivity.rows`):\n\n" + top
+        "`report.sensitivity.rows`):\n\n" + top + _modelopt_table(results)
+    )
+
+
+def _modelopt_table(results):
+    from _common import markdown_table
+
+    """ModelOpt AutoQuantize's rows, for the models it ran on."""
+    rows = []
+    for r in results:
+        mo = r.get("modelopt")
+        if mo is None:
+            continue
+        if "error" in mo:
+            error = f"error: `{mo['error'][-300:]}`"
+            rows.append([r["model"], error] + ["-"] * 5)
+            continue
+        search = mo.get("search", {})
+        for t in mo.get("targets", []):
+            rows.append(
+                [
+                    r["model"],
+                    f"{t['effective_bits_target']:g}",
+                    "-"
+                    if t["effective_bits"] is None
+                    else f"{t['effective_bits']:.2f}",
+                    ", ".join(
+                        f"{k} {v}"
+                        for k, v in (t["formats_summary"] or {}).items()
+                    ),
+                    "-" if t["top1"] is None else f"{t['top1']:.2f}",
+                    "-"
+                    if t["top1"] is None or mo["float_top1"] is None
+                    else f"{t['top1'] - mo['float_top1']:+.2f}",
+                    f"{search.get('seconds', '-')} s; forward "
+                    f"{search.get('forward_passes', '-')}, forward+backward "
+                    f"{search.get('backward_passes', '-')}",
+                ]
+            )
+    if not rows:
+        return ""
+    return (
+        "\n\nModelOpt AutoQuantize (`mtq.auto_quantize`, gradient scores, "
+        "INT8_DEFAULT_CFG and FP8_DEFAULT_CFG) on the same float model "
+        "(keras_mp's ONNX, converted with onnx2torch: "
+        "`benchmarks/peers/modelopt_autoquant.py`), the same calibration "
+        "images and the same test images, at effective bits 8 (every "
+        "searched layer INT8 or FP8) and at keras_mp's chosen effective "
+        "bits. ModelOpt constrains effective bits, not accuracy; its "
+        "float top-1 is the converted torch model's. It searches Linear "
+        "and Conv layers only (not the attention matmuls).\n\n"
+        + markdown_table(
+            [
+                "model",
+                "effective bits asked",
+                "effective bits",
+                "formats (layers)",
+                "top-1 %",
+                "vs its float (points)",
+                "search",
+            ],
+            rows,
+        )
     )
 
 
@@ -387,18 +532,40 @@ def main():
         action="store_true",
         help="skip the cost='bits' search",
     )
+    parser.add_argument(
+        "--modelopt",
+        metavar="VENV",
+        help="also run ModelOpt AutoQuantize in this venv (see "
+        "benchmarks/peers/modelopt_autoquant.py --setup-venv)",
+    )
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the other models' rows of the existing results",
+    )
     args = parser.parse_args()
     from _common import write_results
 
     costs = ("latency",) if args.no_bits else ("latency", "bits")
     results = []
+    if args.merge and not args.models:
+        parser.error("--merge needs --models (the rows to measure again)")
+    if args.merge:
+        with open(os.path.join(HERE, "results", "sensitivity.json")) as f:
+            earlier = json.load(f)
+        results = [
+            r for r in earlier["models"] if r["model"] not in args.models
+        ]
     for name in args.models or MODELS:
         start = time.perf_counter()
-        results.append(measure(name, args.quick, args.max_drop, costs))
+        results.append(
+            measure(name, args.quick, args.max_drop, costs, args.modelopt)
+        )
         results[-1]["seconds"] = time.perf_counter() - start
         print(f"{name}: {results[-1]['seconds']:.0f} s", flush=True)
         keras.backend.clear_session()
         # Written after every model: a long run keeps what it measured.
+        results.sort(key=lambda r: MODELS.index(r["model"]))
         summary = _summary(results, args.max_drop)
         markdown = (
             INTRO + "\n\n" + summary + "\n\n" + _tables(results, args.max_drop)
