@@ -544,7 +544,7 @@ def main():
         help="keep the other models' rows of the existing results",
     )
     args = parser.parse_args()
-    from _common import write_results
+    from _common import command_line, write_results
 
     costs = ("latency",) if args.no_bits else ("latency", "bits")
     results = []
@@ -552,17 +552,14 @@ def main():
         parser.error("--merge needs --models (the rows to measure again)")
     if args.merge:
         with open(os.path.join(HERE, "results", "sensitivity.json")) as f:
-            earlier = json.load(f)
-        results = [
-            r for r in earlier["models"] if r["model"] not in args.models
-        ]
+            results = json.load(f)["models"]  # replaced as each is measured
     for name in args.models or MODELS:
         start = time.perf_counter()
-        results.append(
-            measure(name, args.quick, args.max_drop, costs, args.modelopt)
-        )
-        results[-1]["seconds"] = time.perf_counter() - start
-        print(f"{name}: {results[-1]['seconds']:.0f} s", flush=True)
+        row = measure(name, args.quick, args.max_drop, costs, args.modelopt)
+        row["seconds"] = time.perf_counter() - start
+        row["command"] = command_line()  # rows of --merge runs differ
+        results = [r for r in results if r["model"] != name] + [row]
+        print(f"{name}: {row['seconds']:.0f} s", flush=True)
         keras.backend.clear_session()
         # Written after every model: a long run keeps what it measured.
         results.sort(key=lambda r: MODELS.index(r["model"]))
