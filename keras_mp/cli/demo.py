@@ -24,6 +24,7 @@ from keras_mp.mixed_precision import (
 )
 from keras_mp.onnx import check_tensorrt, export_onnx
 from keras_mp.onnx.parity import ort_session, run_session
+from keras_mp.precision import auto_quantize
 from keras_mp.quantization import calibrate, quantize_model
 from keras_mp.reference import (
     QAT_CALIBRATOR,
@@ -33,7 +34,9 @@ from keras_mp.reference import (
 )
 from keras_mp.sparsity import StructuredSparsity, permute_for_sparsity
 
-CALIBRATORS = ("max", "percentile", "entropy", "mse")
+CALIBRATORS = ("max", "percentile", "entropy", "mse", "auto")
+# auto_quantize's budget (top-1 as a fraction) and the GPU it prices
+AUTO_MAX_DROP, AUTO_GPU = 0.005, "H100"
 
 
 BATCH = 128
@@ -173,6 +176,33 @@ def run_demo(output="demo-report", quick=False, overwrite=False):
         q = quantize_model(model)
         calibrate(q, calib, method=method, verbose=0)
         models[f"ptq_{method}"] = q
+    print(
+        f"auto_quantize: INT8, FP8 or float16 per layer, least predicted "
+        f"{AUTO_GPU} latency within {100 * AUTO_MAX_DROP:g} point"
+    )
+    held = x[-(1000 if quick else 5000) :]  # the metric's images
+    auto, choice = auto_quantize(
+        model,
+        calib,
+        y[: len(calib)],
+        max_drop=AUTO_MAX_DROP,
+        gpu=AUTO_GPU,
+        eval_data=held,
+        eval_labels=y[-len(held) :],
+        verbose=0,
+    )
+    print(choice)
+    models["auto_quantize"] = auto
+    results["auto_quantize"] = {
+        "gpu": AUTO_GPU,
+        "max_drop": AUTO_MAX_DROP,
+        "eval_images": len(held),
+        "choices": [(c.name, c.precision) for c in choice.choices],
+        "drop_on_eval_images": choice.drop,
+        "quantized_flops": choice.quantized_flops,
+        "predicted_speedup_over_fp16": choice.speedup_over_fp16,
+        "seconds": round(choice.seconds, 1),
+    }
     # QAT starts from percentile ranges whatever PTQ preferred: tighter
     # ranges give the fine-tune finer steps (docs/quantization.md).
     print("QAT from percentile calibration")

@@ -124,6 +124,30 @@ def vit_section(vit):
     ]
 
 
+def _auto_lines(auto):
+    """The `auto_quantize` paragraph (empty without its results)."""
+    if not auto:
+        return []
+    counts = {}
+    for _, precision in auto["choices"]:
+        counts[precision] = counts.get(precision, 0) + 1
+    chosen = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+    floats = [name for name, p in auto["choices"] if p == "float16"]
+    return [
+        f"`auto_quantize`: INT8, FP8 or float16 per layer, the least "
+        f"predicted {auto['gpu']} latency within "
+        f"{100 * auto['max_drop']:g} point of float on "
+        f"{auto['eval_images']} training images (measured drop "
+        f"{100 * auto['drop_on_eval_images']:+.2f}): {chosen} layers"
+        + (f" (float16: {', '.join(floats)})" if floats else "")
+        + f", {100 * auto['quantized_flops']:.1f}% of the FLOPs quantized, "
+        f"predicted speed-up over float16 "
+        f"{auto['predicted_speedup_over_fp16']:.2f}x (a roofline model, "
+        f"not a GPU measurement), found in {auto['seconds']} s.",
+        "",
+    ]
+
+
 def write_report(output, results, audit, epochs, qat_epochs, learning_rate):
     """Writes `results.json` and `report.md` into `output`, each once and
     atomically (a temporary file renamed into place); `report.md` ends with
@@ -162,6 +186,7 @@ def write_report(output, results, audit, epochs, qat_epochs, learning_rate):
         "",
         "\n".join(rows),
         "",
+        *_auto_lines(results.get("auto_quantize")),
         "Parity runs ONNX Runtime with graph optimizations off (Q/DQ "
         "semantics); latency uses ORT's default optimizations on this CPU, "
         "where INT8 Q/DQ graphs run slower than float32: latency here is "

@@ -30,7 +30,8 @@ def test_report_covers_every_method(quick_report):
     assert results["data"].startswith("Fashion-MNIST")
     methods = results["methods"]
     expected = {"float32", "qat", "float32_control", "sparse_2_4_qat"}
-    expected |= {f"ptq_{m}" for m in ("max", "percentile", "entropy", "mse")}
+    expected |= {f"ptq_{m}" for m in demo.CALIBRATORS} | {"auto_quantize"}
+    assert "auto" in demo.CALIBRATORS
     assert set(methods) == expected
     # export_onnx's own tolerance: looser when the model computes in 16 bits
     mixed = results["policy"]["name"].startswith("mixed")
@@ -48,6 +49,11 @@ def test_report_covers_every_method(quick_report):
     assert sum(eligible.values()) == 5 and not eligible["logits"]
     report = (quick_report / "report.md").read_text()
     assert "| qat |" in report and "Tensor Core audit" in report
+    # auto_quantize within its budget on its own images, its layers named
+    auto = results["auto_quantize"]
+    assert auto["drop_on_eval_images"] <= demo.AUTO_MAX_DROP
+    assert {name for name, _ in auto["choices"]} >= {"stem", "res_a", "fc"}
+    assert "| auto_quantize |" in report and "`auto_quantize`: INT8" in report
     for plot in (
         "accuracy.png",
         "latency.png",
