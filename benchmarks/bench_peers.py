@@ -186,6 +186,14 @@ def main():
         "--modelopt-venv", default=os.path.join(HERE, ".venv-modelopt")
     )
     p.add_argument("--tfmot-venv", default=os.path.join(HERE, ".venv-tfmot"))
+    p.add_argument(
+        "--rerun",
+        nargs="+",
+        choices=TOOLS,
+        help="run these tools' steps again (then evaluate) in the workdir "
+        "of the last full run, keeping its float model and the other "
+        "tools' outputs; the results say which steps were rerun",
+    )
     p.add_argument("--width", type=int, default=16)
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
@@ -210,6 +218,8 @@ def main():
         print(render.write_outputs(results, RESULTS, DOCS_PAGE))
         return
     wall = time.perf_counter()
+    if a.rerun:
+        return rerun(a, wall)
     if a.setup:
         setup_venv(a.modelopt_venv, SETUP["modelopt"])
         setup_venv(a.tfmot_venv, SETUP["tfmot"])
@@ -250,50 +260,14 @@ def main():
         a.step_timeout,
     )
     if steps["train_float"]["returncode"] == 0:
-        plan = [
-            ("keras_mp", MAIN_PYTHON, timing + finetune),
-            ("ort", MAIN_PYTHON, []),
-            ("modelopt", MAIN_PYTHON, ["--venv", a.modelopt_venv]),
-            (
-                "tfmot",
-                os.path.join(a.tfmot_venv, "bin", "python"),
-                timing + finetune,
-            ),
-            ("keras_quantize", MAIN_PYTHON, []),
-        ]
-        for name, python, extra in plan:
+        for name, python, extra in tool_plan(a, timing + finetune):
             steps[name] = run_step(
                 name,
                 [python, py.format(f"{name}_peer")] + wd + extra,
                 w,
                 a.step_timeout,
             )
-        candidates = collect_candidates(w)
-        cand_path = os.path.join(w, "candidates.json")
-        with open(cand_path, "w") as f:
-            json.dump(candidates, f, indent=2)
-        steps["evaluate"] = run_step(
-            "evaluate",
-            [MAIN_PYTHON, py.format("evaluate")]
-            + wd
-            + ["--candidates", cand_path]
-            + (
-                [
-                    "--rounds",
-                    "3",
-                    "--repeats-b1",
-                    "50",
-                    "--repeats-b64",
-                    "5",
-                    "--test-images",
-                    "2000",
-                ]
-                if a.quick
-                else []
-            ),
-            w,
-            a.step_timeout,
-        )
+        steps["evaluate"] = evaluate_step(a, w)
     results = assemble(a, w, steps)
     results["total_seconds"] = round(time.perf_counter() - wall, 1)
     results["total_cpu_seconds"] = round(_children_cpu(), 1)
@@ -359,6 +333,78 @@ def other_versions(a):
         except (OSError, ValueError) as e:
             out[key] = {"error": f"{type(e).__name__}: {e}"}
     return out
+
+
+TOOLS = ("keras_mp", "ort", "modelopt", "tfmot", "keras_quantize")
+
+
+def tool_plan(a, qat_args):
+    """`(step, python, extra arguments)` of each tool, in run order."""
+    return [
+        ("keras_mp", MAIN_PYTHON, qat_args),
+        ("ort", MAIN_PYTHON, []),
+        ("modelopt", MAIN_PYTHON, ["--venv", a.modelopt_venv]),
+        ("tfmot", os.path.join(a.tfmot_venv, "bin", "python"), qat_args),
+        ("keras_quantize", MAIN_PYTHON, []),
+    ]
+
+
+def evaluate_step(a, w):
+    """Every candidate ONNX on the test images (ONNX Runtime)."""
+    py = os.path.join(PEERS, "{}.py")
+    candidates = collect_candidates(w)
+    cand_path = os.path.join(w, "candidates.json")
+    with open(cand_path, "w") as f:
+        json.dump(candidates, f, indent=2)
+    return run_step(
+        "evaluate",
+        [MAIN_PYTHON, py.format("evaluate"), "--workdir", w]
+        + ["--candidates", cand_path]
+        + (
+            [
+                "--rounds",
+                "3",
+                "--repeats-b1",
+                "50",
+                "--repeats-b64",
+                "5",
+                "--test-images",
+                "2000",
+            ]
+            if a.quick
+            else []
+        ),
+        w,
+        a.step_timeout,
+    )
+
+
+def rerun(a, wall):
+    """`--rerun`: the named tools' steps again in the last full run's
+    workdir, then evaluate and assemble with the other steps as they were
+    (the float model is not retrained)."""
+    with open(os.path.join(RESULTS, "peers.json")) as f:
+        earlier = json.load(f)
+    w = a.workdir
+    steps = dict(earlier["steps"])
+    py = os.path.join(PEERS, "{}.py")
+    finetune = ["--seed", str(a.seed), "--qat-seeds", str(a.qat_seeds)]
+    for name, python, extra in tool_plan(a, finetune):
+        if name in a.rerun:
+            steps[name] = run_step(
+                name,
+                [python, py.format(f"{name}_peer"), "--workdir", w] + extra,
+                w,
+                a.step_timeout,
+            )
+    steps["evaluate"] = evaluate_step(a, w)
+    results = assemble(a, w, steps)
+    results["total_seconds"] = earlier.get("total_seconds")
+    results["rerun"] = {
+        "steps": list(a.rerun),
+        "seconds": round(time.perf_counter() - wall, 1),
+    }
+    write_all(a, w, results)
 
 
 def assemble(a, w, steps):

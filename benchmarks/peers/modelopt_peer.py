@@ -109,11 +109,24 @@ def run_modelopt(
     return entry
 
 
+def first_input_name(path):
+    """The name of the first graph input of the ONNX file at `path` (the
+    reference CNN's is `image`)."""
+    import onnx
+
+    return onnx.load(path, load_external_data=False).graph.input[0].name
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--workdir", required=True)
     p.add_argument("--venv", required=True)
-    p.add_argument("--input-name", default="input_0")
+    p.add_argument(
+        "--input-name",
+        default=None,
+        help="the ONNX input the calibration data feeds (default: the "
+        "float ONNX's first input)",
+    )
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--quantize-mode", default="int8", choices=tuple(METHODS))
     a = p.parse_args()
@@ -133,7 +146,8 @@ def main():
     )
     out["versions"] = (probe.stdout or probe.stderr).strip()[-500:]
     calib = os.path.join(w, "calib_modelopt.npz")
-    np.savez(calib, **{a.input_name: load_data(w)["x_calib"]})
+    name = a.input_name or first_input_name(os.path.join(w, "float.onnx"))
+    np.savez(calib, **{name: load_data(w)["x_calib"]})
     methods = {}
     for method in METHODS[a.quantize_mode]:
         dst = os.path.join(w, f"{prefix}_{method}.onnx")
