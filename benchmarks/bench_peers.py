@@ -403,6 +403,9 @@ def rerun(a, wall):
     results["rerun"] = {
         "steps": list(a.rerun),
         "seconds": round(time.perf_counter() - wall, 1),
+        "full_run_command": earlier.get("rerun", {}).get(
+            "full_run_command", earlier.get("command")
+        ),
     }
     write_all(a, w, results)
 

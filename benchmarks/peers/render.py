@@ -453,6 +453,19 @@ def _versions_lines(results):
     return lines
 
 
+def _rerun_lines(rerun):
+    if not rerun:
+        return []
+    return [
+        "",
+        f"Steps run again with `--rerun` ({rerun['seconds']:.0f} s): "
+        f"{', '.join(rerun['steps'])}, then the evaluation; every other "
+        "step (the float model, the other tools) is the full run's, "
+        f"`{rerun.get('full_run_command', 'python benchmarks/bench_peers.py')}`"
+        ".",
+    ]
+
+
 def results_markdown(results):
     """`peers.md`: command, versions, run time, then the tables."""
     return "\n".join(
@@ -464,6 +477,7 @@ def results_markdown(results):
             *_versions_lines(results),
             "",
             f"Total run time: {results['total_seconds']:.0f} s.",
+            *_rerun_lines(results.get("rerun")),
             "",
             markdown(results),
             "",
