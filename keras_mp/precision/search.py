@@ -29,6 +29,7 @@ from keras_mp import _inputs, _models
 from keras_mp.precision import cost as cost_model
 from keras_mp.precision.reports import AutoQuantizeReport, Choice
 from keras_mp.precision.sensitivity import (
+    float_copy,
     labelled_batches,
     precision_tuple,
     score_layers,
@@ -395,21 +396,26 @@ def _build(model, rows, config, qmodels, recalibrate):
             by_path[path] = p
     if all(p == FLOAT for p in config):
         return None
+
+    copy = float_copy(model, "auto_quantize")
     ids = {FLOAT: set(), **{p: set() for p in qmodels}}
-    for layer, parents in _models.walk_layers(model, with_parents=True):
+    for layer, parents in _models.walk_layers(copy, with_parents=True):
         path = _models.layer_path(layer, parents)
         if path in by_path:
             ids[by_path[path]].add(id(layer))
-    config_by = {}
-    for p, found in ids.items():
-        setting = (
+    configs = {
+        _member_of(found): (
             QuantizeConfig(skip=True)
             if p == FLOAT
             else QuantizeConfig(precision=p)
         )
-        config_by[_member_of(found)] = setting
+        for p, found in ids.items()
+    }
     qmodel = quantize_model(
-        model, config=config_by, layers=_member_of(set().union(*ids.values()))
+        copy,
+        config=configs,
+        layers=_member_of(set().union(*ids.values())),
+        in_place=True,
     )
     sources = {
         p: {q.name: q.quantizer for q in twins.quantizers(m)}

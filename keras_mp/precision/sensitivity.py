@@ -109,6 +109,19 @@ def layer_sensitivity(
     return report
 
 
+_COPY_ADVICE = (
+    "so that `layer_sensitivity` and `auto_quantize`, which quantize "
+    "copies of the model (one per precision, one per configuration "
+    "measured), can make them."
+)
+
+
+def float_copy(model, caller):
+    """A copy of `model` to quantize in place; one that cannot be made
+    gets this feature's advice."""
+    return _models.copy_model(model, caller, _COPY_ADVICE)
+
+
 def precision_tuple(precisions, allowed, caller):
     """`precisions` as a tuple, or a ValueError naming what is allowed."""
     if isinstance(precisions, str):
@@ -168,7 +181,9 @@ def score_layers(
     passes = {"calibration": 0, "forward": 0, "backward": 0}
     float_out = None
     for p in precisions:
-        qmodel = quantize_model(model, precision=p)
+        qmodel = quantize_model(
+            float_copy(model, caller), precision=p, in_place=True
+        )
         cal = calibrate(
             qmodel,
             data,

@@ -253,3 +253,25 @@ def test_a_loss_without_labels_gives_the_gradient_score(trained):
     assert report.method == "gradient"
     assert all(r.scores["int8"] > 0 for r in report.rows)
     assert report.passes == {"calibration": 2, "forward": 1, "backward": 1}
+
+
+class _Unregistered(keras.Model):
+    """Subclassed, not registered: Keras cannot rebuild it from its
+    config."""
+
+    def __init__(self):
+        super().__init__(name="unregistered")
+        self.fc = keras.layers.Dense(32)
+
+    def call(self, x):
+        return self.fc(keras.ops.reshape(x, (-1, 64)))
+
+
+def test_a_model_that_cannot_be_copied_says_how_to_fix_it(trained):
+    _, x, y = trained
+    model = _Unregistered()
+    model(x[:1])
+    with pytest.raises(ValueError, match="get_config.*quantize copies"):
+        keras_mp.layer_sensitivity(model, x, y, verbose=0)
+    with pytest.raises(ValueError, match="get_config.*quantize copies"):
+        keras_mp.auto_quantize(model, x, y, verbose=0)
