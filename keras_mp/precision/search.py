@@ -325,16 +325,27 @@ def _total(options, config, k):
 def _choices(rows, options, config):
     out = []
     for row, opts, p in zip(rows, options, config):
-        cheapest = min(opts, key=lambda q: opts[q][1])
-        if p == FLOAT and cheapest == FLOAT:
+        least = min(cost for _, cost in opts.values())
+        # among the cheapest options, the least sensitive one
+        cheapest = min(
+            (q for q in opts if opts[q][1] == least), key=lambda q: opts[q][0]
+        )
+        twins_ = [
+            q for q in opts if q != p and q != FLOAT and opts[q][1] == least
+        ]
+        if p == FLOAT and opts[FLOAT][1] == least:
             reason = "quantizing it saves nothing here (cost model)"
         elif p == FLOAT:
             reason = (
                 f"too sensitive for the budget ({cheapest} score "
                 f"{opts[cheapest][0]:.3g})"
             )
-        elif p == cheapest:
+        elif opts[p][1] == least:
             reason = "cheapest option, within the budget"
+            if twins_:
+                reason += (
+                    f" (as cheap as {', '.join(twins_)}, and less sensitive)"
+                )
         else:
             reason = (
                 f"{cheapest} is cheaper but more sensitive (score "

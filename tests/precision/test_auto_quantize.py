@@ -184,3 +184,21 @@ def test_a_quantizer_without_a_calibrated_twin_is_calibrated(trained):
     }
     assert ranges["fc/input_0"] == source["fc/input_0"]
     assert all(v > 0 for v in ranges.values()), ranges
+
+
+def test_reasons_tell_ties_from_cheaper_options():
+    from keras_mp.precision.reports import SensitivityRow
+    from keras_mp.precision.search import _choices
+
+    row = SensitivityRow("fc", ("fc",), "Dense", {}, {"int8": "int8"})
+    options = [{"float16": (0.0, 2.0), "int8": (3.0, 1.0), "fp8": (1.0, 1.0)}]
+    (tie,) = _choices([row], options, ["fp8"])
+    assert tie.reason == (
+        "cheapest option, within the budget (as cheap as int8, and less "
+        "sensitive)"
+    )
+    options = [{"float16": (0.0, 2.0), "int8": (3.0, 1.0), "fp8": (1.0, 1.5)}]
+    (dearer,) = _choices([row], options, ["fp8"])
+    assert dearer.reason.startswith("int8 is cheaper but more sensitive")
+    (safe,) = _choices([row], options, ["float16"])
+    assert safe.reason == "too sensitive for the budget (int8 score 3)"
