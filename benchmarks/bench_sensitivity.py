@@ -512,6 +512,17 @@ def _summary(results, max_drop):
     return text + "."
 
 
+def _commands(results):
+    """Which command measured which rows, when `--merge` runs differ."""
+    by = {}
+    for r in results:
+        by.setdefault(r.get("command", "?"), []).append(r["model"])
+    if len(by) < 2:
+        return ""
+    lines = [f"- {', '.join(models)}: `{c}`" for c, models in by.items()]
+    return "Rows measured by:\n\n" + "\n".join(lines) + "\n\n"
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
@@ -565,7 +576,12 @@ def main():
         results.sort(key=lambda r: MODELS.index(r["model"]))
         summary = _summary(results, args.max_drop)
         markdown = (
-            INTRO + "\n\n" + summary + "\n\n" + _tables(results, args.max_drop)
+            INTRO
+            + "\n\n"
+            + _commands(results)
+            + summary
+            + "\n\n"
+            + _tables(results, args.max_drop)
         )
         write_results(
             "sensitivity",
