@@ -150,6 +150,11 @@ class EntropyCalibrator(HistogramCalibrator):
     outliers past the threshold are added to the reference's last bin. The
     last of equal divergences wins (the larger range, as TensorRT does).
 
+    A spike in the histogram (one value many inputs share, such as a
+    ReLU'd BatchNorm of a zero background) draws the search, TensorRT's
+    and ModelOpt's alike: it tends to stop just past the largest one and
+    clip everything above (the demo's CNN: `docs/quantization.md`).
+
     Args:
         name: str. The quantizer's name. Defaults to "".
         unsigned: bool. The quantizer uses all its levels on one side
