@@ -76,8 +76,8 @@ def layer_sensitivity(
         labels: array of labels for array `data`, or None.
         precisions: tuple of `"int8"` and/or `"fp8"`.
         metric: callable `metric(y_true, y_pred) -> float`, higher is
-            better (`keras_mp.precision.top1_accuracy` for example). The score is
-            `metric(float model) - metric(layer quantized)` over the
+            better (`keras_mp.precision.top1_accuracy` for example). The
+            score is `metric(float model) - metric(layer quantized)` over the
             scoring batches, on `labels`, or without labels on the float
             model's top-1 as labels. None: the gradient or KL score.
         loss: callable `loss(y_true, y_pred) -> scalar` to differentiate.
