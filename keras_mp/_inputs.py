@@ -1,7 +1,8 @@
 """The data a model takes, checked against its inputs: one array, a list of
 arrays (several inputs) or a dict by input name, each keeping the dtype of
-its Keras input (integer token ids stay integers). Shared by `calibrate`,
-`verify_onnx` and `export_onnx`."""
+its Keras input (integer token ids stay integers), and `batches`, the one
+iterator over user data. Shared by `calibrate`, `layer_sensitivity`,
+`auto_quantize`, `verify_onnx` and `export_onnx`."""
 
 import dataclasses
 
@@ -130,6 +131,86 @@ def strip_labels(batch, n):
     if isinstance(batch, dict):
         return {k: keras.ops.convert_to_numpy(v) for k, v in batch.items()}
     return keras.ops.convert_to_numpy(batch)
+
+
+def batches(data, specs, caller, batch_size, num_batches=None, labels=None):
+    """Yields `(inputs, labels or None)` pairs from user data, `inputs` a
+    list of arrays (one per model input, each of its input's dtype), at
+    most `num_batches` of them (None: all).
+
+    Args:
+        data: an array (a list or dict of arrays for a model of several
+            inputs), cut into batches of `batch_size`; or a
+            `tf.data.Dataset` / iterable of batches, whose `(x, y)`
+            elements give their labels.
+        specs: list of `InputSpec` (`input_specs`), or None.
+        caller: str. The public function's name, for messages.
+        batch_size: int. For array data.
+        num_batches: int or None.
+        labels: array of labels, one per sample of array `data`, or None.
+
+    Raises:
+        ValueError: `labels` of another length than the data, `labels`
+            with a dataset, an empty dataset, or what `as_input_list`
+            refuses.
+        TypeError: `data` of another kind.
+    """
+    import keras
+
+    n = 1 if specs is None else len(specs)
+    arrays = None
+    if isinstance(data, (np.ndarray, dict)) or (
+        n > 1
+        and isinstance(data, (list, tuple))
+        and all(isinstance(a, np.ndarray) and a.ndim >= 1 for a in data)
+    ):
+        arrays = as_input_list(data, specs, f"`{caller}` data")
+    if arrays is not None:
+        total = len(arrays[0])
+        if labels is not None:
+            y = np.asarray(labels)
+            if y.ndim == 0 or len(y) != total:
+                raise ValueError(
+                    f"`{caller}`: {total} samples in `data` but "
+                    f"{'no' if y.ndim == 0 else len(y)} labels. Give one "
+                    "label per sample."
+                )
+        for i, start in enumerate(range(0, total, batch_size)):
+            if num_batches is not None and i >= num_batches:
+                return
+            stop = start + batch_size
+            yield (
+                [a[start:stop] for a in arrays],
+                None if labels is None else y[start:stop],
+            )
+        return
+    if labels is not None:
+        raise ValueError(
+            f"`{caller}`: `labels` go with array data. A dataset or an "
+            "iterable gives its labels in its `(x, y)` batches."
+        )
+    if isinstance(data, (str, bytes)) or not hasattr(data, "__iter__"):
+        raise TypeError(
+            f"`{caller}`: `data` must be a NumPy array, a tf.data.Dataset or "
+            "an iterable of batches (for several inputs: a list or dict of "
+            f"arrays). Received: {type(data).__name__}"
+        )
+    found = 0
+    for batch in data:
+        if num_batches is not None and found >= num_batches:
+            return
+        y = None
+        if (
+            isinstance(batch, (tuple, list))
+            and len(batch) == 2
+            and (n == 1 or isinstance(batch[0], (tuple, list, dict)))
+        ):
+            y = keras.ops.convert_to_numpy(batch[1])
+        x = strip_labels(batch, n)
+        yield as_input_list(x, specs, f"`{caller}` batch"), y
+        found += 1
+    if found == 0:
+        raise ValueError(f"`{caller}` data is empty: pass some real inputs.")
 
 
 def call_arg(model, arrays, specs):

@@ -20,6 +20,13 @@ def sensitivity_command_parser(subparsers):
         help="a .npy of labels for --data: the gradient score (without: "
         "the KL divergence of the outputs)",
     )
+    parser.add_argument(
+        "--metric",
+        choices=["top1"],
+        help="score by the drop of this metric with each layer alone "
+        "quantized (top1: top-1 accuracy on --labels, else agreement with "
+        "the float model) instead of the gradient or KL score",
+    )
     add_precision_arguments(parser, ("int8", "fp8"))
     parser.add_argument(
         "--batches", type=int, default=4, help="scoring batches (4)"
@@ -53,6 +60,15 @@ def load_labels(path):
     return labels
 
 
+def _top1(y_true, y_pred):
+    from keras_mp.precision import top1_accuracy
+
+    return top1_accuracy(y_true, y_pred)
+
+
+_METRICS = {"top1": _top1}
+
+
 def sensitivity_command(args):
     import json
 
@@ -65,6 +81,7 @@ def sensitivity_command(args):
         load_inputs(args.data),
         load_labels(args.labels),
         precisions=tuple(args.precisions.split(",")),
+        metric=_METRICS.get(args.metric),
         num_batches=args.batches,
         batch_size=args.batch_size,
     )

@@ -19,5 +19,5 @@ from keras_mp.precision.reports import (
     SensitivityReport,
     SensitivityRow,
 )
-from keras_mp.precision.search import auto_quantize
+from keras_mp.precision.search import auto_quantize, top1_accuracy
 from keras_mp.precision.sensitivity import layer_sensitivity

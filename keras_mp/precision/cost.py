@@ -41,7 +41,6 @@ __all__ = [
     "gpu_spec",
     "latency",
     "layer_work",
-    "speedup_over_fp16",
 ]
 
 BITS = {"float16": 16, "int8": 8, "fp8": 8}
@@ -206,43 +205,3 @@ def effective_bits(works_and_precisions):
             "work received has weight_elements=0."
         )
     return bits / elements
-
-
-def speedup_over_fp16(works, precisions_by_layer, gpu, batch_scale=1.0):
-    """Float16 latency of `works` over their latency at the chosen
-    precisions (layers absent from `precisions_by_layer` stay float16).
-
-    Args:
-        works: dict of layer name -> `LayerWork`.
-        precisions_by_layer: dict of layer name -> precision.
-        gpu: str or `GPU`. See `gpu_spec`.
-        batch_scale: float. See `latency`. Defaults to 1.0.
-
-    Returns:
-        float, above 1.0 when the choice is faster.
-
-    Raises:
-        ValueError: a name in `precisions_by_layer` not in `works`, no work
-            at all, or what `latency` raises.
-
-    Example:
-
-    >>> big = LayerWork(2 * 8192**3, 8192**2, 8192**2, 8192**2,
-    ...                 8192, 8192, "gemm")
-    >>> round(speedup_over_fp16({"fc": big}, {"fc": "fp8"}, "H100"), 2)
-    1.81
-    """
-    unknown = sorted(set(precisions_by_layer) - set(works))
-    if unknown:
-        raise ValueError(
-            f"`precisions_by_layer` names layers that `works` does not "
-            f"have: {', '.join(unknown)}. Known: {', '.join(sorted(works))}."
-        )
-    base = sum(latency(w, "float16", gpu, batch_scale) for w in works.values())
-    if not base:
-        raise ValueError("speedup_over_fp16() needs at least one LayerWork.")
-    chosen = sum(
-        latency(w, precisions_by_layer.get(name, "float16"), gpu, batch_scale)
-        for name, w in works.items()
-    )
-    return base / chosen

@@ -36,6 +36,13 @@ class SensitivityRow:
     reads_input: bool = False
 
 
+_SCORES = {
+    "gradient": "gradient score sum((dL/dy * delta_y)^2)",
+    "kl": "KL divergence of the output",
+    "metric": "metric drop with the layer alone quantized",
+}
+
+
 @dataclasses.dataclass
 class SensitivityReport:
     """What `layer_sensitivity` measured.
@@ -43,7 +50,9 @@ class SensitivityReport:
     Attributes:
         rows: list of `SensitivityRow`, most sensitive first (by the
             largest score over the precisions).
-        method: str. `"gradient"` (labels or a loss) or `"kl"`.
+        method: str. `"gradient"` (labels or a loss), `"kl"` (neither)
+            or `"metric"` (a metric: its drop when the layer alone is
+            quantized).
         precisions: tuple of str.
         calibration: str. The calibration method of the ranges scored.
         samples: int. Samples in the scoring batches.
@@ -61,11 +70,7 @@ class SensitivityReport:
     seconds: float
 
     def to_table(self):
-        what = (
-            "gradient score sum((dL/dy * delta_y)^2)"
-            if self.method == "gradient"
-            else "KL divergence of the output"
-        )
+        what = _SCORES[self.method]
         lines = [
             f"Layer sensitivity ({what}; {self.samples} samples, "
             f"{self.calibration} ranges, {self.seconds:.1f} s):",
@@ -125,17 +130,15 @@ class SensitivityReport:
         fig, ax = plt.subplots(figsize=(8, 0.3 * len(rows) + 1.5))
         height = 0.8 / len(self.precisions)
         for k, p in enumerate(self.precisions):
-            values = [max(r.scores[p], 1e-30) for r in rows]
+            floor = -np.inf if self.method == "metric" else 1e-30
+            values = [max(r.scores[p], floor) for r in rows]
             ys = np.arange(len(rows)) + k * height
             ax.barh(ys, values, height=height, label=p)
         ax.set_yticks(np.arange(len(rows)) + 0.4 - height / 2)
         ax.set_yticklabels([r.name[-40:] for r in rows], fontsize=7)
-        ax.set_xscale("log")
-        ax.set_xlabel(
-            "sensitivity (gradient score)"
-            if self.method == "gradient"
-            else "sensitivity (output KL divergence)"
-        )
+        if self.method != "metric":  # a metric drop can be 0 or negative
+            ax.set_xscale("log")
+        ax.set_xlabel(f"sensitivity ({_SCORES[self.method]})")
         ax.legend()
         fig.tight_layout()
         if path is not None:

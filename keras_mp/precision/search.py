@@ -30,7 +30,6 @@ from keras_mp.precision import cost as cost_model
 from keras_mp.precision.reports import AutoQuantizeReport, Choice
 from keras_mp.precision.sensitivity import (
     float_copy,
-    labelled_batches,
     precision_tuple,
     score_layers,
 )
@@ -469,7 +468,7 @@ class _Evaluation:
 
     def __init__(self, model, data, labels, metric, batch_size, specs, caller):
         self.batches = list(
-            labelled_batches(data, labels, batch_size, None, specs, caller)
+            _inputs.batches(data, specs, caller, batch_size, None, labels)
         )
         self.specs, self.caller = specs, caller
         self.metric = metric or top1_accuracy

@@ -14,10 +14,15 @@ and value projections of one attention layer) in one pass:
 - without labels: the KL divergence of the model's output distribution
   when that layer alone is quantized, from the float model's (ModelOpt's
   label-free searcher); one forward pass per layer and batch.
+- with a `metric`: its drop (float minus quantized) when that layer alone
+  is quantized, on labels or, without, on agreement with the float
+  model's top-1; one forward pass per layer and batch.
 
 Guide: `docs/precision.md`.
 """
 
+import functools
+import math
 import re
 import time
 
@@ -43,6 +48,7 @@ def layer_sensitivity(
     data,
     labels=None,
     precisions=("int8", "fp8"),
+    metric=None,
     loss=None,
     calibration="auto",
     num_batches=4,
@@ -58,7 +64,9 @@ def layer_sensitivity(
     `num_batches` batches: with `labels` or `loss`, ModelOpt
     AutoQuantize's gradient score (one forward and one backward pass per
     batch for all layers); without, the KL divergence of the outputs (one
-    forward pass per layer and batch). "Not quantized" always scores 0.
+    forward pass per layer and batch); with a `metric`, its drop when the
+    layer alone is quantized (one forward pass per layer and batch). "Not
+    quantized" always scores 0.
 
     Args:
         model: a built float `keras.Model`.
@@ -67,6 +75,11 @@ def layer_sensitivity(
             tuples giving the labels.
         labels: array of labels for array `data`, or None.
         precisions: tuple of `"int8"` and/or `"fp8"`.
+        metric: callable `metric(y_true, y_pred) -> float`, higher is
+            better (`keras_mp.precision.top1_accuracy` for example). The
+            score is `metric(float model) - metric(layer quantized)` over the
+            scoring batches, on `labels`, or without labels on the float
+            model's top-1 as labels. None: the gradient or KL score.
         loss: callable `loss(y_true, y_pred) -> scalar` to differentiate.
             Defaults to (sparse) cross-entropy for integer labels and a
             classifier output (logits or probabilities, told apart on the
@@ -99,6 +112,7 @@ def layer_sensitivity(
         data,
         labels,
         precisions,
+        metric=metric,
         loss=loss,
         calibration=calibration,
         num_batches=num_batches,
@@ -141,6 +155,7 @@ def score_layers(
     data,
     labels,
     precisions,
+    metric=None,
     loss=None,
     calibration="auto",
     num_batches=4,
@@ -168,10 +183,25 @@ def score_layers(
             )
     specs = _inputs.input_specs(model, caller)
     batches = list(
-        labelled_batches(data, labels, batch_size, num_batches, specs, caller)
+        _inputs.batches(data, specs, caller, batch_size, num_batches, labels)
     )
     with_labels = [y is not None for _, y in batches]
-    method = "gradient" if loss is not None or any(with_labels) else "kl"
+    if metric is not None and loss is not None:
+        raise ValueError(
+            f"`{caller}`: pass a `metric` (scores are its drop) or a `loss` "
+            "(scores are gradient scores), not both."
+        )
+    if metric is not None and not callable(metric):
+        raise TypeError(
+            f"`{caller}`: `metric` must be a callable `metric(y_true, "
+            f"y_pred) -> float`. Received: {metric!r}"
+        )
+    if metric is not None:
+        method = "metric"
+    elif loss is not None or any(with_labels):
+        method = "gradient"
+    else:
+        method = "kl"
     if any(with_labels) and not all(with_labels):
         raise ValueError(
             f"`{caller}`: some batches have labels and some do not. Give "
@@ -226,8 +256,13 @@ def score_layers(
             if float_out is None:
                 float_out = [_outputs(qmodel, x, specs) for x, _ in batches]
                 passes["forward"] += len(batches)
-            scores, works = _kl_scores(
-                qmodel, found, batches, specs, float_out, verbose, p
+                score = (
+                    _metric_drop(metric, batches, float_out, caller)
+                    if method == "metric"
+                    else functools.partial(_kl_total, float_out)
+                )
+            scores, works = _one_at_a_time(
+                qmodel, found, batches, specs, score, verbose, p
             )
             # one pass for the layers' shapes, one per layer and batch
             passes["forward"] += 1 + len(batches) * len(found)
@@ -257,68 +292,6 @@ def score_layers(
         time.perf_counter() - start,
     )
     return report, qmodels
-
-
-def labelled_batches(data, labels, batch_size, num_batches, specs, caller):
-    """`(inputs, labels or None)` pairs: `inputs` a list of arrays (one
-    per model input), at most `num_batches` of them (None: all)."""
-    n = 1 if specs is None else len(specs)
-    arrays = None
-    if isinstance(data, (np.ndarray, dict)) or (
-        isinstance(data, (list, tuple))
-        and all(isinstance(a, np.ndarray) for a in data)
-    ):
-        arrays = _inputs.as_input_list(data, specs, f"`{caller}` data")
-    if arrays is not None:
-        total = len(arrays[0])
-        if labels is not None:
-            y = np.asarray(labels)
-            if y.ndim == 0 or len(y) != total:
-                raise ValueError(
-                    f"`{caller}`: {total} samples in `data` but "
-                    f"{'no' if y.ndim == 0 else len(y)} labels. Give one "
-                    "label per sample."
-                )
-        found = 0
-        for start in range(0, total, batch_size):
-            if num_batches is not None and found >= num_batches:
-                break
-            stop = start + batch_size
-            yield (
-                [a[start:stop] for a in arrays],
-                None if labels is None else y[start:stop],
-            )
-            found += 1
-        return
-    if labels is not None:
-        raise ValueError(
-            f"`{caller}`: `labels` go with array data. A dataset or an "
-            "iterable gives its labels in its `(x, y)` batches."
-        )
-    if isinstance(data, (str, bytes)) or not hasattr(data, "__iter__"):
-        raise TypeError(
-            f"`{caller}`: `data` must be a NumPy array (a list or dict of "
-            "arrays for several inputs), a tf.data.Dataset or an iterable "
-            f"of batches. Received: {type(data).__name__}"
-        )
-    found = 0
-    for batch in data:
-        if num_batches is not None and found >= num_batches:
-            break
-        y = None
-        if isinstance(batch, (tuple, list)) and len(batch) == 2 and n == 1:
-            y = keras.ops.convert_to_numpy(batch[1])
-        elif (
-            isinstance(batch, (tuple, list))
-            and len(batch) == 2
-            and (isinstance(batch[0], (tuple, list, dict)))
-        ):
-            y = keras.ops.convert_to_numpy(batch[1])
-        x = _inputs.strip_labels(batch, n)
-        yield _inputs.as_input_list(x, specs, f"`{caller}` batch"), y
-        found += 1
-    if found == 0:
-        raise ValueError(f"`{caller}`: `data` is empty: pass real inputs.")
 
 
 def coupled_units(qmodel):
@@ -446,7 +419,9 @@ def _gradient_scores(qmodel, units, batches, specs, loss, verbose, p):
     return scores, works
 
 
-def _kl_scores(qmodel, units, batches, specs, float_out, verbose, p):
+def _one_at_a_time(qmodel, units, batches, specs, score, verbose, p):
+    """Each unit's `score(outputs per batch)` with that unit alone
+    quantized (the label-free KL and the metric drop)."""
     scores = dict.fromkeys(units, 0.0)
     works = {}
 
@@ -465,14 +440,45 @@ def _kl_scores(qmodel, units, batches, specs, float_out, verbose, p):
     for k, (name, members) in enumerate(units.items()):
         for _, layer in members:
             layer.enabled = True
-        total = 0.0
-        for (x, _), reference in zip(batches, float_out):
-            total += _kl(reference, _outputs(qmodel, x, specs))
+        outs = [_outputs(qmodel, x, specs) for x, _ in batches]
         for _, layer in members:
             layer.enabled = False
-        scores[name] = total
+        scores[name] = score(outs)
         progbar.update(k + 1)
     return scores, works
+
+
+def _metric_drop(metric, batches, float_out, caller):
+    """`score(outputs per batch)`: `metric` on the float outputs minus on
+    these, on the batches' labels (else the float model's top-1)."""
+    if any(len(out) != 1 for out in float_out):
+        raise ValueError(
+            f"`{caller}`: a `metric` scores a model of one output; this one "
+            f"has {len(float_out[0])}. Pass a `loss` that combines them, or "
+            "no metric (the KL score)."
+        )
+    labels = np.concatenate(
+        [
+            np.argmax(out[0], axis=-1) if y is None else np.asarray(y)
+            for (_, y), out in zip(batches, float_out)
+        ]
+    )
+
+    def value(outs, what):
+        found = metric(labels, np.concatenate([out[0] for out in outs]))
+        try:
+            found = float(found)
+        except (TypeError, ValueError):
+            found = math.nan
+        if not math.isfinite(found):
+            raise ValueError(
+                f"`{caller}`: the metric of {what} is {found} (not a finite "
+                "number). Check the metric function and the data."
+            )
+        return found
+
+    base = value(float_out, "the float model")
+    return lambda outs: base - value(outs, "a quantized layer's model")
 
 
 def _outputs(model, x, specs):
@@ -495,6 +501,11 @@ def _probabilities(y):
         e = np.exp(y - y.max(-1, keepdims=True))
         return e / e.sum(-1, keepdims=True)
     return None
+
+
+def _kl_total(float_out, outs):
+    """The KL score over the batches: `_kl` summed."""
+    return sum(map(_kl, float_out, outs))
 
 
 def _kl(reference, quantized):

@@ -49,39 +49,6 @@ class CalibrationReport:
         return self.to_table()
 
 
-def _batches(data, batch_size, num_batches, specs):
-    """Yields batches (a list of arrays, one per model input, each of its
-    input's dtype) from an array (or a list / dict of arrays for several
-    inputs), a tf.data.Dataset or an iterable; `(x, y)` tuples give `x`."""
-    n = 1 if specs is None else len(specs)
-    arrays = None
-    if isinstance(data, (np.ndarray, dict)):
-        arrays = _inputs.as_input_list(data, specs, "Calibration data")
-    elif (
-        n > 1
-        and isinstance(data, (list, tuple))
-        and all(isinstance(a, np.ndarray) and a.ndim >= 1 for a in data)
-    ):
-        arrays = _inputs.as_input_list(data, specs, "Calibration data")
-    if arrays is not None:
-        for i, start in enumerate(range(0, len(arrays[0]), batch_size)):
-            if num_batches is not None and i >= num_batches:
-                return
-            yield [a[start : start + batch_size] for a in arrays]
-        return
-    if isinstance(data, (str, bytes)) or not hasattr(data, "__iter__"):
-        raise TypeError(
-            "`data` must be a NumPy array, a tf.data.Dataset or an iterable "
-            "of batches (for several inputs: a list or dict of arrays). "
-            f"Received: {type(data).__name__}"
-        )
-    for i, batch in enumerate(data):
-        if num_batches is not None and i >= num_batches:
-            return
-        batch = _inputs.strip_labels(batch, n)
-        yield _inputs.as_input_list(batch, specs, "Calibration batch")
-
-
 def calibrate(
     model,
     data,
@@ -172,7 +139,9 @@ def calibrate(
     )
     specs = _inputs.input_specs(model, "calibrate")
     try:
-        for batch in _batches(data, batch_size, num_batches, specs):
+        for batch, _ in _inputs.batches(
+            data, specs, "calibrate", batch_size, num_batches
+        ):
             for i, b in enumerate(batch):
                 if b.dtype.kind == "f" and not np.all(np.isfinite(b)):
                     where = np.argwhere(~np.isfinite(b))[0]
@@ -192,7 +161,7 @@ def calibrate(
         for q in quantizers.values():
             q.collector = None
     if batches == 0:
-        raise ValueError("Calibration data is empty: pass some real inputs.")
+        raise ValueError("`calibrate` data is empty: pass some real inputs.")
     ranges, observed, collapsed, chosen = {}, {}, [], {}
     for name, q in quantizers.items():
         calibrator = calibrators[name]

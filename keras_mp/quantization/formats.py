@@ -8,9 +8,7 @@ format's name, so a new format is one row of `FORMATS`. Guide:
 `docs/quantization.md` ("Number formats").
 """
 
-import contextlib
 import dataclasses
-import threading
 import types
 from collections.abc import Callable
 
@@ -18,20 +16,16 @@ import ml_dtypes
 import numpy as np
 import tensorflow as tf
 
-_TRACE = threading.local()
+from keras_mp._switch import Switch
+
+_TRACE = Switch(default=False)
 
 
-@contextlib.contextmanager
 def onnx_trace():
     """While active, quantizers compute their format's `carrier` (the Q/DQ
     tf2onnx can write) instead of its `qdq`: `export_onnx` traces the
     model inside it, then retypes the carriers (`keras_mp.onnx.retype`)."""
-    before = getattr(_TRACE, "active", False)
-    _TRACE.active = True
-    try:
-        yield
-    finally:
-        _TRACE.active = before
+    return _TRACE.set(True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +97,7 @@ class NumberFormat:
         """`x` rounded to this format's grid over `[-amax, amax]` (its
         `carrier` while `onnx_trace` is active)."""
         fn = self.qdq
-        if self.carrier is not None and getattr(_TRACE, "active", False):
+        if self.carrier is not None and _TRACE.value:
             fn = self.carrier
         return fn(self, x, amax, axis, narrow_range)
 

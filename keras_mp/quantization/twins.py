@@ -11,15 +11,14 @@ them, and applies it again on load (`recipe.py`). The attention twin is in
 `attention.py`. Guide: `docs/quantization.md`.
 """
 
-import contextlib
 import dataclasses
 import functools
 import inspect
-import threading
 
 import keras
 
 from keras_mp import _keras, _models, _record
+from keras_mp._switch import Switch
 from keras_mp.quantization.quantizer import TensorQuantizer
 from keras_mp.quantization.separable import separable_conv
 
@@ -63,22 +62,16 @@ def _like(quantized, x):
     return quantized
 
 
-_PROBE = threading.local()
+_PROBE = Switch()
 
 
-@contextlib.contextmanager
 def probing(probe):
     """While active, each call of a quantized twin runs `probe(layer, run,
     args, kwargs)` instead, `run()` being the twin's own call on those
     arguments (under its current `enabled` state):
     `keras_mp.layer_sensitivity` computes a layer's output with and
     without its quantizers there."""
-    before = getattr(_PROBE, "fn", None)
-    _PROBE.fn = probe
-    try:
-        yield
-    finally:
-        _PROBE.fn = before
+    return _PROBE.set(probe)
 
 
 class QuantizedLayer:
@@ -95,7 +88,7 @@ class QuantizedLayer:
     float_class = None  # the class the twin derives from
 
     def __call__(self, *args, **kwargs):
-        probe = getattr(_PROBE, "fn", None)
+        probe = _PROBE.value
         parent = super()
         if probe is None:
             return parent.__call__(*args, **kwargs)

@@ -434,6 +434,11 @@ def test_cli_sensitivity_prints_the_table_and_writes_json_and_plot(
     raw = json.loads((tmp_path / "s.json").read_text())
     assert raw["method"] == "gradient" and raw["rows"]
     assert (tmp_path / "s.png").stat().st_size > 1000
+    argv = ["sensitivity", f"{d}/m.keras", "--data", f"{d}/x.npy"]
+    assert cli.main(argv + ["--batches", "1", "--metric", "top1"]) == 0
+    assert "metric drop with the layer alone quantized" in (
+        capsys.readouterr().out
+    )
 
 
 def test_cli_export_auto_quantize(bad_files, tmp_path, capsys):

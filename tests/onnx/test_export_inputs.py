@@ -296,6 +296,7 @@ def _onnx_names(model, path):
     return [i.name for i in graph.input], [o.name for o in graph.output]
 
 
+@pytest.mark.slow  # six DeBERTa exports, 20 s: the slow step of .ci/run
 def test_names_do_not_depend_on_what_the_process_built_before(tmp_path):
     """The same keras-hub backbone built twice in one process (Keras
     numbers the models it names itself: `deberta_v3_backbone_1`) exports

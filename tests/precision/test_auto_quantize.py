@@ -49,9 +49,14 @@ def _search(trained, **kwargs):
     )
 
 
-def test_the_reported_metric_is_the_returned_models(trained):
+@pytest.fixture(scope="module")
+def searched(trained):
+    return _search(trained)
+
+
+def test_the_reported_metric_is_the_returned_models(trained, searched):
     model, _, (xt, yt) = trained
-    qmodel, report = _search(trained)
+    qmodel, report = searched
     assert report.metric_float == pytest.approx(_top1(model, xt, yt))
     assert report.metric == pytest.approx(_top1(qmodel, xt, yt))
     assert report.drop <= report.max_drop
@@ -93,9 +98,9 @@ def test_bits_cost_is_weight_bits(trained):
     assert report.effective_bits == pytest.approx(8.0)
 
 
-def test_the_returned_model_saves_and_loads(trained, tmp_path):
+def test_the_returned_model_saves_and_loads(trained, searched, tmp_path):
     _, (x, _), _ = trained
-    qmodel, _ = _search(trained)
+    qmodel, _ = searched
     path = str(tmp_path / "auto.keras")
     qmodel.save(path)
     loaded = keras.models.load_model(path, safe_mode=True)

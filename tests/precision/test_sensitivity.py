@@ -136,6 +136,53 @@ def test_kl_score_is_the_definition(trained):
     )
 
 
+def _log_likelihood(y_true, y_pred):
+    """Higher is better: the mean log-softmax of the label (continuous, so
+    quantizing any layer changes it)."""
+    z = np.asarray(y_pred, np.float64)
+    z = z - z.max(-1, keepdims=True)
+    log_p = z - np.log(np.exp(z).sum(-1, keepdims=True))
+    return float(np.mean(np.take_along_axis(log_p, y_true[:, None], -1)))
+
+
+@pytest.mark.parametrize("with_labels", [True, False], ids=["labels", "agree"])
+def test_metric_score_is_the_metric_drop(trained, tmp_path, with_labels):
+    """With a metric: metric(float) - metric(only that layer quantized),
+    on the labels or on the float model's top-1."""
+    models, x, y = trained
+    report, qmodels = score_layers(
+        models["mlp"],
+        x,
+        y if with_labels else None,
+        ("int8",),
+        metric=_log_likelihood,
+        num_batches=2,
+        batch_size=64,
+        calibration_batches=4,
+        verbose=0,
+    )
+    qmodel = qmodels["int8"]
+    keras_mp.set_quantization_enabled(qmodel, False)
+    xb = x[:128]
+    float_out = qmodel(xb).numpy()
+    labels = y[:128] if with_labels else np.argmax(float_out, -1)
+    for name in ("hidden", "logits"):
+        qmodel.get_layer(name).enabled = True
+        quantized = qmodel(xb).numpy()
+        qmodel.get_layer(name).enabled = False
+        want = _log_likelihood(labels, float_out) - _log_likelihood(
+            labels, quantized
+        )
+        assert want != 0
+        np.testing.assert_allclose(
+            _by_name(report)[name].scores["int8"], want, rtol=1e-4
+        )
+    assert report.method == "metric"
+    assert "metric drop" in report.to_table()
+    report.plot(tmp_path / "metric.png")
+    assert (tmp_path / "metric.png").stat().st_size > 0
+
+
 def test_fp8_on_a_thin_convolution_is_scored_as_int8(trained):
     models, x, y = trained
     report = keras_mp.layer_sensitivity(
@@ -204,6 +251,16 @@ def test_bad_input(trained):
         keras_mp.layer_sensitivity(model, dataset, y, verbose=0)
     with pytest.raises(ValueError, match="already quantized"):
         keras_mp.layer_sensitivity(keras_mp.quantize_model(model), x, y)
+    with pytest.raises(ValueError, match="a `metric`.*or a `loss`.*not both"):
+        keras_mp.layer_sensitivity(
+            model, x, y, metric=_log_likelihood, loss=max
+        )
+    with pytest.raises(TypeError, match="`metric` must be a callable"):
+        keras_mp.layer_sensitivity(model, x, y, metric="accuracy")
+    with pytest.raises(ValueError, match="metric of the float model is nan"):
+        keras_mp.layer_sensitivity(
+            model, x, y, metric=lambda t, p: np.nan, verbose=0
+        )
     only_norm = keras.Sequential(
         [keras.Input((4,)), keras.layers.LayerNormalization()]
     )

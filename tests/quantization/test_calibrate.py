@@ -124,12 +124,12 @@ BAD = {
     "calibrate_empty_array": (
         _calibrate(X[:0]),
         ValueError,
-        "Calibration data is empty",
+        "`calibrate` data is empty",
     ),
     "calibrate_empty_dataset": (
         _calibrate(tf.data.Dataset.from_tensor_slices(X[:0]).batch(4)),
         ValueError,
-        "Calibration data is empty",
+        "`calibrate` data is empty",
     ),
     "calibrate_wrong_shape": (
         _calibrate(X[..., :1]),
