@@ -107,6 +107,13 @@ class HistogramCalibrator(Calibrator):
         self.hist, self.bin_width = other.hist, other.bin_width
         self.observed_max, self.batches = other.observed_max, other.batches
 
+    def saturated(self, amax):
+        """The fraction of the inputs seen beyond `amax` (those clipped to
+        it), by bin centers."""
+        centers = (self.edges[:-1] + self.edges[1:]) / 2
+        total = self.hist.sum()
+        return float(self.hist[centers > amax].sum() / total) if total else 0.0
+
     def quantization_error(self, fmt, amax):
         """The mean squared error of the inputs seen rounded to `fmt`'s
         grid over `[-amax, amax]`, each bin's center standing for its

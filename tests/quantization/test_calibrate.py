@@ -32,6 +32,34 @@ def test_calibrate_reports_every_quantizer(digits):
     assert report.batches == 2 and report.samples == 128
 
 
+def test_a_range_that_clips_more_than_1_percent_is_named():
+    """The spiky ReLU data of the demo CNN's stem (see
+    test_calibrators.py): entropy clips past the last spike, over 10% of
+    the inputs; the warning names the quantizer and the fix, the report
+    has the fraction. `max` clips nothing and warns of nothing."""
+    import warnings
+
+    import keras
+
+    rng = np.random.default_rng(0)
+    relu = 0.6 * np.maximum(rng.laplace(size=40_000), 0.0)
+    spikes = np.repeat(np.linspace(0.1, 0.8, 9), 1_000)  # 2% each
+    x = rng.permutation(np.concatenate([relu, spikes]))
+    x = x.reshape(-1, 8).astype(np.float32)
+    inputs = keras.Input((8,))
+    model = keras.Model(inputs, keras.layers.Dense(16, name="fc")(inputs))
+    qmodel = keras_mp.quantize_model(model)
+    with pytest.warns(UserWarning, match=r"'fc/input_0' 1\d\.\d%.*auto"):
+        report = keras_mp.calibrate(qmodel, x, method="entropy", verbose=0)
+    want = float(np.mean(x > report.ranges["fc/input_0"]))
+    assert report.saturated["fc/input_0"] == pytest.approx(want, abs=2e-3)
+    assert "saturates" in str(report)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        report = keras_mp.calibrate(qmodel, x, method="max", verbose=0)
+    assert report.saturated == {}
+
+
 def test_array_dataset_and_generator_give_identical_ranges():
     x = np.random.default_rng(0).standard_normal((64, 8, 8, 4))
     x = x.astype(np.float32)
