@@ -30,6 +30,7 @@ from keras_mp.precision import cost as cost_model
 from keras_mp.precision.reports import AutoQuantizeReport, Choice
 from keras_mp.precision.sensitivity import (
     float_copy,
+    metric_value,
     precision_tuple,
     score_layers,
 )
@@ -490,20 +491,13 @@ class _Evaluation:
         return out
 
     def _score(self, predictions, what):
-        value = self.metric(
-            np.concatenate(self.labels), np.concatenate(predictions)
+        return metric_value(
+            self.metric,
+            np.concatenate(self.labels),
+            np.concatenate(predictions),
+            what,
+            self.caller,
         )
-        try:
-            value = float(value)
-        except (TypeError, ValueError):
-            value = math.nan
-        if not math.isfinite(value):
-            raise ValueError(
-                f"`{self.caller}`: the metric of {what} is {value} (not a "
-                "finite number). Check the metric function and the "
-                "evaluation data."
-            )
-        return value
 
     def metric_of(self, qmodel):
         return self._score(self._predict(qmodel), "a quantized model")

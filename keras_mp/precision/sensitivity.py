@@ -465,20 +465,27 @@ def _metric_drop(metric, batches, float_out, caller):
     )
 
     def value(outs, what):
-        found = metric(labels, np.concatenate([out[0] for out in outs]))
-        try:
-            found = float(found)
-        except (TypeError, ValueError):
-            found = math.nan
-        if not math.isfinite(found):
-            raise ValueError(
-                f"`{caller}`: the metric of {what} is {found} (not a finite "
-                "number). Check the metric function and the data."
-            )
-        return found
+        predictions = np.concatenate([out[0] for out in outs])
+        return metric_value(metric, labels, predictions, what, caller)
 
     base = value(float_out, "the float model")
     return lambda outs: base - value(outs, "a quantized layer's model")
+
+
+def metric_value(metric, y_true, y_pred, what, caller):
+    """`metric(y_true, y_pred)` as a float, or a ValueError naming `what`
+    was measured when it is not a finite number."""
+    found = metric(y_true, y_pred)
+    try:
+        found = float(found)
+    except (TypeError, ValueError):
+        found = math.nan
+    if not math.isfinite(found):
+        raise ValueError(
+            f"`{caller}`: the metric of {what} is {found} (not a finite "
+            "number). Check the metric function and the data."
+        )
+    return found
 
 
 def _outputs(model, x, specs):
