@@ -171,11 +171,16 @@ def run_demo(output="demo-report", quick=False, overwrite=False):
     probe = xt[:1000]
     methods = {}
     models = {"float32": model}
+    clips = {}  # method -> the tensor it clips most, and how much
     for method in CALIBRATORS:
         print(f"PTQ, {method} calibration")
         q = quantize_model(model)
-        calibrate(q, calib, method=method, verbose=0)
+        report = calibrate(q, calib, method=method, verbose=0)
         models[f"ptq_{method}"] = q
+        name, fraction = max(
+            report.saturated.items(), key=lambda kv: kv[1], default=("", 0.0)
+        )
+        clips[method] = {"quantizer": name, "percent": round(100 * fraction, 2)}
     print(
         f"auto_quantize: INT8, FP8 or float16 per layer, least predicted "
         f"{AUTO_GPU} latency within {100 * AUTO_MAX_DROP:g} point"
@@ -272,6 +277,7 @@ def run_demo(output="demo-report", quick=False, overwrite=False):
     results["best_calibrator"] = max(
         CALIBRATORS, key=lambda m: methods[f"ptq_{m}"]["test_top1"]
     )
+    results["calibration_clips"] = clips
     results["sparsity"] = [
         {
             "layer": r.name,

@@ -124,6 +124,24 @@ def vit_section(vit):
     ]
 
 
+def _clip_lines(clips):
+    """Which calibrator clipped the most of one tensor's inputs."""
+    if not clips:
+        return []
+    parts = [
+        f"{m} {c['percent']:g}%"
+        + (f" (`{c['quantizer']}`)" if c["percent"] > 1 else "")
+        for m, c in clips.items()
+    ]
+    return [
+        "Largest share of one tensor's calibration inputs beyond its range: "
+        + ", ".join(parts)
+        + " (`max` clips nothing; `calibrate` warns above 1%, as such a "
+        "clip can cost accuracy).",
+        "",
+    ]
+
+
 def _auto_lines(auto):
     """The `auto_quantize` paragraph (empty without its results)."""
     if not auto:
@@ -186,6 +204,7 @@ def write_report(output, results, audit, epochs, qat_epochs, learning_rate):
         "",
         "\n".join(rows),
         "",
+        *_clip_lines(results.get("calibration_clips")),
         *_auto_lines(results.get("auto_quantize")),
         "Parity runs ONNX Runtime with graph optimizations off (Q/DQ "
         "semantics); latency uses ORT's default optimizations on this CPU, "

@@ -49,6 +49,9 @@ def test_report_covers_every_method(quick_report):
     assert sum(eligible.values()) == 5 and not eligible["logits"]
     report = (quick_report / "report.md").read_text()
     assert "| qat |" in report and "Tensor Core audit" in report
+    clips = results["calibration_clips"]
+    assert set(clips) == set(demo.CALIBRATORS) and clips["max"]["percent"] == 0
+    assert "Largest share of one tensor's calibration inputs" in report
     # auto_quantize within its budget on its own images, its layers named
     auto = results["auto_quantize"]
     assert auto["drop_on_eval_images"] <= demo.AUTO_MAX_DROP
