@@ -60,11 +60,10 @@ def _kl_threshold(num_bits, unsigned=False, values=ABS):
         p[-1] += hist[i:].sum()
         group = np.digitize(np.arange(i), np.linspace(0, i, levels + 1)) - 1
         full = hist[:i] > 0
-        q = np.zeros(i)
-        for g in range(levels):
-            members = (group == g) & full
-            if members.any():
-                q[members] = hist[:i][group == g].sum() / members.sum()
+        # each group's count spread over its non-empty bins
+        counts = np.bincount(group, weights=hist[:i], minlength=levels)
+        nonempty = np.bincount(group, weights=full, minlength=levels)
+        q = np.where(full, counts[group] / np.maximum(nonempty[group], 1), 0)
         p, q = p / p.sum(), q / q.sum()
         with np.errstate(divide="ignore"):  # mass where Q has none: inf
             kl = np.sum(p[p > 0] * np.log(p[p > 0] / q[p > 0]))
