@@ -159,6 +159,18 @@ def _nothing_to_quantize(model, layers):
             "them no faster quantized; QuantizeConfig(small_gemms=True) "
             "quantizes them anyway."
         )
+    recurrent = [
+        f"{layer.name} ({type(layer).__name__})"
+        for layer, _ in _models.walk(model)
+        if isinstance(layer, (keras.layers.RNN, keras.layers.Bidirectional))
+    ]
+    if recurrent:
+        shown = ", ".join(recurrent[:8])
+        shown += ", ..." if len(recurrent) > 8 else ""
+        matched += (
+            f" Recurrent layers stay float ({shown}): TensorRT builds the "
+            "matmuls of an ONNX LSTM/GRU/RNN op from float inputs only."
+        )
     return ValueError(
         f"No quantizable layer in model {model.name!r} matches "
         f"layers={layers!r}.{matched} Supported types: "

@@ -135,6 +135,16 @@ def _flat_model():
             "Concatenate, Conv1D, .*Dot, ",
         ),
         (
+            lambda: keras_mp.quantize_model(
+                keras.Sequential(
+                    [keras.Input((6, 4)), L.GRU(8, name="gru"), L.ReLU()]
+                )
+            ),
+            ValueError,
+            r"No quantizable layer.*Recurrent layers stay float \(gru "
+            r"\(GRU\)\): TensorRT builds",
+        ),
+        (
             lambda: keras_mp.quantize_model(cnn(), layers="dense_.*"),
             ValueError,
             r"is named \(or matches\) 'dense_\.\*'",
@@ -176,6 +186,7 @@ def _flat_model():
         "unbuilt_subclassed_model",
         "annotate_subclassed_model_without_config",
         "nothing_quantizable",
+        "only_recurrent_layers",
         "selection_matches_nothing",
         "selection_wrong_type",
         "unsupported_layer_by_name",
