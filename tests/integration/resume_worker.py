@@ -351,6 +351,13 @@ def main(argv):
         # Before any other TensorFlow call: it starts the collective runtime.
         strategy = tf.distribute.MultiWorkerMirroredStrategy()
         _patch_keras_multi_worker_fit()
+    from keras_mp.quantization import placement
+
+    # The small-GEMM rule off, as tests/conftest.py sets it for the
+    # in-process runs these are compared with (test_distribute.py's
+    # single-device run): with it on here, the 10-class head would be
+    # quantized there and float here, and the weights would differ.
+    placement.MIN_GEMM_DIM = 0
     tf.config.experimental.enable_op_determinism()
     backup_dir = os.path.join(out_dir, "backup")
     if mode == "interrupt":
