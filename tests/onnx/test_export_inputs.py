@@ -249,6 +249,7 @@ def _cli_export(argv, capsys):
     return printed, float(parity.group(1))
 
 
+@pytest.mark.slow  # 10 s on 2 cores: the slow step of .ci/run
 def test_cli_exports_a_saved_keras_hub_bert_from_a_named_npz(tmp_path, capsys):
     """The bare backbone (dict in, dict out) in float; a classifier on it
     in INT8 (the bare backbone's INT8 graph is a strict xfail of the zoo)."""

@@ -150,6 +150,7 @@ def test_dtype_policy_map_default_policy_is_rewritten():
     assert rebuilt["block/dense"].name == "float32"
 
 
+@pytest.mark.slow  # 12 s on 2 cores: the slow step of .ci/run
 def test_bfloat16_keras_hub_t5_exports_with_parity(tmp_path):
     """A T5 under `apply_mixed_precision("mixed_bfloat16")` (a
     `DTypePolicyMap` whose default is mixed_bfloat16): its twin computes

@@ -179,6 +179,7 @@ def _check_export(name, tmp_path):
     return model, qmodel
 
 
+@pytest.mark.slow  # 12 s on 2 cores: the slow step of .ci/run
 def test_gemma_export_puts_both_attention_matmuls_behind_qdq(tmp_path):
     model, qmodel = _check_export("gemma", tmp_path)
     data = tokens(model, 8, seed=3)
