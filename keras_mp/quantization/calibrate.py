@@ -177,21 +177,17 @@ def calibrate(
             q.collector = None
     if batches == 0:
         raise ValueError("`calibrate` data is empty: pass some real inputs.")
-    ranges, observed, collapsed, chosen, saturated = {}, {}, [], {}, {}
+    ranges, observed, collapsed, chosen = {}, {}, [], {}
     for name, q in quantizers.items():
         calibrator = calibrators[name]
         observed[name] = calibrator.observed_max
         amax = calibrator.compute_amax(q.format)
         if calibrator.observed_max == 0.0:
             collapsed.append(name)
-        else:
-            if getattr(calibrator, "choice", None):
-                chosen[name] = calibrator.choice
-            if isinstance(calibrator, HistogramCalibrator):
-                saturated[name] = calibrator.saturated(amax)
+        elif getattr(calibrator, "choice", None):
+            chosen[name] = calibrator.choice
         q.amax.assign(amax)
         ranges[name] = amax
-    _warn_saturation(method, saturated, ranges, observed)
     owners = {}
     for q in all_quantizers(model, "calibrate"):
         owners[id(q.layer)] = q.layer
@@ -203,6 +199,14 @@ def calibrate(
     ranges = {
         name: float(_keras.to_numpy(quantizers[name].amax)) for name in ranges
     }
+    # From the final ranges: tying a Concatenate's inputs can widen them.
+    saturated = {
+        name: calibrators[name].saturated(amax)
+        for name, amax in ranges.items()
+        if name not in collapsed
+        and isinstance(calibrators[name], HistogramCalibrator)
+    }
+    _warn_saturation(method, saturated, ranges, observed)
     _models.reset_compiled_functions(model)
     return CalibrationReport(
         method, batches, samples, ranges, observed, collapsed, chosen, saturated
