@@ -13,6 +13,7 @@ import pytest
 import keras_mp
 from keras_mp import _models, layer_table
 from keras_mp.onnx.graph import GraphIndex, attr, output_channel_axis
+from tests.tolerance import assert_computes_like
 
 L = keras.layers
 pytest.importorskip("tf2onnx")
@@ -141,12 +142,14 @@ def test_per_tensor_file_loads_and_computes_the_same(name):
         model = keras.saving.load_model(
             os.path.join(FIXTURES, f"per_tensor_{name}.keras"), safe_mode=True
         )
-    np.testing.assert_array_equal(np.asarray(model(saved["x"])), saved[name])
+    # Computed on another CPU: float32 with 8-bit fake quant (tolerance.py)
+    assert_computes_like(model(saved["x"]), saved[name], "float32", True)
     if name == "einsum":  # a `QuantizeWrapper` graph copy: upgrade first
-        model = keras_mp.upgrade(model)
-        np.testing.assert_array_equal(
-            np.asarray(model(saved["x"])), saved[name]
+        upgraded = keras_mp.upgrade(model)
+        np.testing.assert_array_equal(  # same process: exact
+            np.asarray(upgraded(saved["x"])), np.asarray(model(saved["x"]))
         )
+        model = upgraded
     keras_mp.calibrate(model, saved["x"], verbose=0)
     found = _projections(model)
     assert len(found) == (1 if name == "einsum" else 3)
