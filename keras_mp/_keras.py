@@ -341,3 +341,39 @@ def to_numpy(x):
 
         return np.asarray(numpy())
     return keras.ops.convert_to_numpy(x)
+
+
+def intercept_ops(names, make_wrapper):
+    """Replaces each `keras.ops` function of `names` by
+    `make_wrapper(name, original)`, in every Keras module that exposes it
+    (`keras.ops`, `keras.ops.numpy`, `keras.src.ops`, ...; not the module
+    that defines it, whose own functions call it): keras-hub's and Keras'
+    own layers call `ops.<name>` through one of those module attributes at
+    call time (checked on Keras 3.15.1 and keras-hub 0.32). Idempotent.
+    Returns `{name: original}`.
+
+    A module that bound the function under its own name at import time
+    (`from keras.src.ops.numpy import matmul`) keeps the original: such a
+    call is not reached.
+    """
+    import sys
+
+    import keras.src.ops.nn  # noqa: F401  (the modules that define them)
+    import keras.src.ops.numpy  # noqa: F401
+
+    originals = {}
+    for name in names:
+        current = getattr(keras.ops, name)
+        original = getattr(current, "__wrapped__", current)
+        originals[name] = original
+        if current is not original:
+            continue  # already intercepted
+        wrapper = make_wrapper(name, original)
+        for module_name, module in list(sys.modules.items()):
+            if not module_name.startswith("keras") or module is None:
+                continue
+            if module_name == original.__module__:
+                continue  # its own module's internal calls stay as they are
+            if getattr(module, name, None) is original:
+                setattr(module, name, wrapper)
+    return originals

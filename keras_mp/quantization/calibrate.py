@@ -191,7 +191,7 @@ def calibrate(
     owners = {}
     for q in all_quantizers(model, "calibrate"):
         owners[id(q.layer)] = q.layer
-        if q.weight is not None:
+        if q.weight is not None and not q.site:  # a site's: set in the pass
             q.quantizer.update(getattr(q.layer, q.weight))
     for layer in owners.values():
         if getattr(layer, "shared_input_range", False):

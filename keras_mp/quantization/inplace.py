@@ -38,6 +38,18 @@ def unsupported(layer):
     )
 
 
+def op_candidate(layer, parents):
+    """Whether the ops of `layer`'s own code may be quantized at the op
+    call (`op_sites`): a layer of no table row that is not Keras' own (those
+    are in the table, or known float), not a model, and not inside a
+    recurrent layer (whose loop TensorRT builds from float inputs)."""
+    if isinstance(layer, keras.Model):
+        return False
+    if type(layer).__module__.split(".")[0] == "keras":
+        return False
+    return not any(isinstance(p, keras.layers.RNN) for p in parents)
+
+
 def annotate(layer, config):
     """Marks `layer` for `quantize_apply` with `config`."""
     with _keras.unlocked(layer):
@@ -119,10 +131,11 @@ def choose(model, layers=None, config=None, annotated=False, default=None):
         if layer_config is not None and layer_config.skip:
             continue
         if quantizable_row(layer) is None:
-            named = isinstance(layers, str) and layer.name == layers
-            if named and not _keras.sublayers(layer):
-                raise unsupported(layer)
-            continue
+            if not op_candidate(layer, parents):
+                named = isinstance(layers, str) and layer.name == layers
+                if named and not _keras.sublayers(layer):
+                    raise unsupported(layer)
+                continue
         if layer.built:
             chosen[index] = layer_config or default or QuantizeConfig()
     return chosen

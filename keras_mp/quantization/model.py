@@ -23,7 +23,8 @@ def quantization_record(model, walked):
     for index, (layer, _) in enumerate(walked):
         if not twins.is_quantized(layer):
             continue
-        attention = quantizable_row(layer).attention
+        row = quantizable_row(layer)
+        attention = row is not None and row.attention
         entry = {
             "index": index,
             "class_name": _models.class_name(layer),
@@ -34,6 +35,8 @@ def quantization_record(model, walked):
         }
         if layer.quantize_calls > 1:
             entry["calls"] = layer.quantize_calls
+        if getattr(layer, "op_sites", None):
+            entry["sites"] = layer.op_sites
         if not layer.enabled:
             entry["enabled"] = False
         off = [k for k, q in layer.named_quantizers().items() if not q.enabled]

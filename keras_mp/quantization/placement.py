@@ -21,7 +21,7 @@ import keras
 
 from keras_mp import _keras, layer_table
 from keras_mp.layer_table import ALL_INPUTS, NO_INPUTS, SKIP_INPUTS
-from keras_mp.quantization import attention
+from keras_mp.quantization import attention, op_sites
 from keras_mp.quantization.layers import quantizable_row
 
 # How TensorRT treats the non-weighted ops around a Q/DQ (TensorRT Developer
@@ -260,6 +260,29 @@ def small_gemm(layer):
         "INT8/FP8 kernels are no faster than float there; ModelOpt skips "
         "them too)"
     )
+
+
+def site_float(site, config):
+    """Why an op site (`op_sites`) of a layer's own code stays float, or
+    "": the small-GEMM rule for a GEMM with a weight, `config.attention`
+    for a matmul of two activations or an attention op, and nothing float
+    to quantize."""
+    roles = [spec["role"] for spec in site["operands"]]
+    if not any(roles):
+        return "no float operand"
+    for spec in site["operands"]:
+        if spec["role"] != "weight":
+            continue
+        k, n = op_sites.gemm_size(spec["shape"], spec["axes"])
+        if min(k, n) < MIN_GEMM_DIM and not config.small_gemms:
+            return (
+                f"GEMM with K={k}, N={n}: no Q/DQ below {MIN_GEMM_DIM} "
+                "(TensorRT's INT8/FP8 kernels are no faster there)"
+            )
+        return ""
+    if not config.attention:
+        return "matmul of two activations: QuantizeConfig(attention=False)"
+    return ""
 
 
 def fixed_range(fmt, matmul_input):

@@ -20,6 +20,7 @@ from keras_mp.quantization import (
     attention,
     hub_attention,
     keras_attention,
+    op_sites,
     placement,
     twins,
 )
@@ -95,34 +96,39 @@ def _activation(fmt, config, name, matmul_input=None):
     return q
 
 
-def attach(layer, row, config, inputs, path, calls=1):
+def attach(layer, row, config, inputs, path, calls=1, sites=()):
     """Turns `layer` into its quantized twin, in place.
 
     Args:
-        layer: a built layer of a quantizable table row.
-        row: its `layer_table.LayerRow`.
+        layer: a built layer of a quantizable table row, or of none with
+            `sites`.
+        row: its `layer_table.LayerRow`, or None (op-level only).
         config: `QuantizeConfig`.
         inputs: the inputs that get a Q/DQ: indices, or for an attention
             layer the names (`ATTENTION_INPUTS`) that own one.
         path: str. The layer's path of names below the model.
         calls: int. How many calls of the layer one input range covers
             (a shared layer: more than one).
+        sites: list of dicts. The op sites of the layer's own code
+            (`op_sites.probe`), each with a Q/DQ per operand role.
     """
     fmt, _ = placement.layer_format(layer, config)
     with _keras.unlocked(layer):
         layer.quantize_config = config
         layer.quantize_path = path
         layer._quantize_enabled = True
-        layer.weight_attrs = [w.attr for w in row.weights]
+        weights = row.weights if row is not None else ()
+        layer.weight_attrs = [w.attr for w in weights]
         layer.weight_quantizers = []
-        for weight in row.weights:
+        _attach_sites(layer, list(sites), fmt, config)
+        for weight in weights:
             axes = placement.weight_axes(layer, weight, config)
             q = WeightQuantizer(
                 axes, format=fmt, name=f"{layer.name}_{weight.attr}_q"
             )
             q.build(getattr(layer, weight.attr).shape)
             layer.weight_quantizers.append(q)
-        if row.attention:
+        if row is not None and row.attention:
             layer.input_names = list(inputs)
             layer.input_indices = []
             layer.input_quantizers = [
@@ -154,7 +160,7 @@ def attach(layer, row, config, inputs, path, calls=1):
             ]
         layer.inner_quantizers = (
             [_activation(fmt, config, f"{layer.name}_pointwise_input")]
-            if row.separable
+            if row is not None and row.separable
             else []
         )
         layer.quantize_calls = int(calls)
@@ -168,6 +174,48 @@ def attach(layer, row, config, inputs, path, calls=1):
     for q in layer.owned_quantizers():
         _models.own(layer, q)
     layer.update_weight_ranges()
+
+
+def _attach_sites(layer, sites, fmt, config):
+    """The quantizers of `layer`'s op sites: `op_quantizers` (each once,
+    tracked, so saved with the layer) and `op_quantizers_by_site` (`{site
+    ordinal: {operand index or "probs": quantizer}}`, an operand that is
+    the same tensor as an earlier site's sharing its quantizer)."""
+    layer.op_sites = sites
+    layer.op_quantizers = []
+    by_site = {}
+    for k, site in enumerate(sites):
+        if site.get("float"):
+            continue
+        found = by_site.setdefault(k, {})
+        for i, spec in enumerate(site["operands"]):
+            role = spec["role"]
+            name = f"{layer.name}_{op_sites.site_key(site, k, i)}"
+            name = name.replace("/", "_")
+            if role == "weight":
+                axes = spec["axes"] if config.per_channel else ()
+                q = WeightQuantizer(axes, format=fmt, name=name)
+                q.build(tuple(spec["shape"]))
+            elif role == "input" and spec.get("same"):
+                s, j = spec["same"]
+                q = by_site.get(s, {}).get(j)
+                if q is None:
+                    continue
+            elif role in ("input", "probs"):
+                matmul_input = "probs" if role == "probs" else None
+                q = _activation(fmt, config, name, matmul_input)
+            else:
+                continue
+            found[i] = q
+            if q not in layer.op_quantizers:
+                layer.op_quantizers.append(q)
+        if site["op"] == "dot_product_attention":
+            name = f"{layer.name}_{op_sites.site_key(site, k, 3)}"
+            found["probs"] = _activation(
+                fmt, config, name.replace("/", "_"), "probs"
+            )
+            layer.op_quantizers.append(found["probs"])
+    object.__setattr__(layer, "op_quantizers_by_site", by_site)
 
 
 def apply_recipe(model, recipe):
@@ -198,6 +246,7 @@ def apply_entries(walked, entries):
             entry["inputs"],
             _models.layer_path(layer, parents),
             entry.get("calls", 1),
+            entry.get("sites", ()),
         )
         if entry.get("enabled", True) is False:
             layer.enabled = False
@@ -267,24 +316,69 @@ def make_recipe(structure, choices):
 
     Args:
         structure: the float model to be quantized (walked, probed).
-        choices: `{walk index: QuantizeConfig}` of the selected layers.
+        choices: `{walk index: QuantizeConfig}` of the selected layers: of a
+            table row, or without one (their own ops are probed for sites).
 
     Returns:
         `Recipe`.
     """
     walked = _models.walk(structure)
-    candidates = [walked[i][0] for i in choices]
-    calls = _probe_calls(structure, candidates) or {}
+    rows = {i: c for i, c in choices.items() if quantizable_row(walked[i][0])}
+    calls = _probe_calls(structure, [walked[i][0] for i in rows]) or {}
     entries = []
-    for index, inputs, count in placement.decide(walked, choices, calls):
+    for index, inputs, count in placement.decide(walked, rows, calls):
         layer, _ = walked[index]
         entry = {
             "index": index,
             "class_name": _models.class_name(layer),
-            "config": choices[index].get_config(),
+            "config": rows[index].get_config(),
             "inputs": inputs,
         }
         if count > 1:
             entry["calls"] = count
         entries.append(entry)
+    others = {i: c for i, c in choices.items() if i not in rows}
+    entries += _site_entries(structure, walked, others)
+    entries.sort(key=lambda entry: entry["index"])
     return Recipe(tuple(entries), tuple(_models.structure(structure)))
+
+
+def _site_entries(structure, walked, choices):
+    """The entries of the layers of `choices` whose own code calls GEMM ops
+    (`op_sites.probe`), each with its sites."""
+    if not choices:
+        return []
+    layers = {id(walked[i][0]): i for i in choices}
+    sample = _zeros_like_inputs(structure)
+    found, changed = op_sites.probe(
+        lambda: structure(sample, training=False),
+        [walked[i][0] for i in choices],
+    )
+    entries = []
+    for layer_id, sites in found.items():
+        index = layers[layer_id]
+        layer, parents = walked[index]
+        if layer_id in changed:
+            warnings.warn(
+                f"Layer {_models.layer_path(layer, parents)!r} stays float: "
+                f"{changed[layer_id]}, so no op of it has one identity.",
+                stacklevel=5,
+            )
+            continue
+        config = choices[index]
+        for site in sites:
+            reason = placement.site_float(site, config)
+            if reason:
+                site["float"] = reason
+        if all(site.get("float") for site in sites):
+            continue
+        entries.append(
+            {
+                "index": index,
+                "class_name": _models.class_name(layer),
+                "config": config.get_config(),
+                "inputs": [],
+                "sites": sites,
+            }
+        )
+    return entries

@@ -15,7 +15,7 @@ def _quantized_row(layer):
     """A quantized layer's row."""
     kind = _models.class_name(layer)
     named = {
-        int(k[6:]) if k[6:].isdigit() else k: q
+        int(k[6:]) if k.startswith("input_") and k[6:].isdigit() else k: q
         for k, q in layer.named_quantizers().items()
     }
     amaxes = {k: float(q.amax.numpy()) for k, q in named.items()}
@@ -40,7 +40,10 @@ def _quantized_row(layer):
         "inputs": amaxes,
         "weights": {
             attr: (float(np.min(v.numpy())), float(np.max(v.numpy())))
-            for attr, _, v in layer.weight_ranges
+            for attr, v in [
+                *((attr, v) for attr, _, v in layer.weight_ranges),
+                *((k, q.amax) for k, q, w in layer.site_quantizers() if w),
+            ]
         },
         "note": "; ".join(notes),
     }
@@ -77,7 +80,8 @@ VECTOR_DOT_NOTE = (
 
 def _is_vector_dot(layer):
     """Whether a quantized `layer` is a Dot of two rank-2 inputs."""
-    if not quantizable_row(layer).matmul or not layer.input_quantizers:
+    row = quantizable_row(layer)
+    if row is None or not row.matmul or not layer.input_quantizers:
         return False
     shapes = (layer.get_build_config() or {}).get("input_shape") or ()
     return len(shapes) == 2 and all(len(s) == 2 for s in shapes)

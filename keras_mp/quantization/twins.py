@@ -19,6 +19,7 @@ import keras
 
 from keras_mp import _keras, _models, _record
 from keras_mp._switch import Switch
+from keras_mp.quantization import op_sites
 from keras_mp.quantization.quantizer import TensorQuantizer
 from keras_mp.quantization.separable import separable_conv
 
@@ -116,23 +117,46 @@ class QuantizedLayer:
 
     def owned_quantizers(self):
         """Every quantizer this layer owns (inputs, weights, attention
-        matmuls, pointwise input)."""
+        matmuls, pointwise input, op sites)."""
         return [
             *self.input_quantizers,
             *self.weight_quantizers,
             *self.inner_quantizers,
             *getattr(self, "attention_quantizers", []),
+            *getattr(self, "op_quantizers", []),
         ]
 
     def named_quantizers(self):
-        """The activation quantizers by name (`input_0`, ...)."""
+        """The activation quantizers by name (`input_0`, ...; an op site's
+        `<op>_<ordinal>/<operand>`)."""
         named = {
             f"input_{i}": q
             for i, q in zip(self.input_indices, self.input_quantizers)
         }
         for q in self.inner_quantizers:
             named["pointwise_input"] = q
+        named.update(
+            (key, q) for key, q, weight in self.site_quantizers() if not weight
+        )
         return named
+
+    def site_quantizers(self):
+        """`(key, quantizer, is_weight)` of each op-site quantizer, once
+        (a quantizer shared by two operands under its first key)."""
+        found, seen = [], set()
+        sites = getattr(self, "op_sites", ())
+        by_site = getattr(self, "op_quantizers_by_site", {})
+        for k, quantizers in sorted(by_site.items()):
+            for i, q in quantizers.items():
+                if id(q) in seen:
+                    continue
+                seen.add(id(q))
+                index = 3 if i == "probs" else i
+                role = "probs" if i == "probs" else None
+                role = role or sites[k]["operands"][i]["role"]
+                key = op_sites.site_key(sites[k], k, index)
+                found.append((key, q, role == "weight"))
+        return found
 
     def update_weight_ranges(self):
         """Sets each weight range to the weights' per-channel `max|w|`."""
@@ -206,6 +230,12 @@ class QuantizedLayer:
         return mapping
 
     def call(self, *args, **kwargs):
+        if getattr(self, "op_sites", None):
+            with op_sites.scope(self):
+                return self._call(args, kwargs)
+        return self._call(args, kwargs)
+
+    def _call(self, args, kwargs):
         args, kwargs = self._quantize_inputs(args, kwargs)
         pointwise = self.inner_quantizers[0] if self.inner_quantizers else None
         if not self.enabled:  # turned off: the float layer exactly
@@ -286,6 +316,7 @@ class Quantizer:
     quantizer: object
     layer: object
     weight: str = None
+    site: bool = False  # an op site's (`op_sites`): no attribute to read
 
 
 def quantizers(model, caller="keras_mp"):
@@ -316,6 +347,11 @@ def quantizers(model, caller="keras_mp"):
                 found.append(Quantizer(f"{path}/{key}", q, layer))
             for attr, q in zip(layer.weight_attrs, layer.weight_quantizers):
                 found.append(Quantizer(f"{path}/{attr}", q, layer, attr))
+            for key, q, weight in layer.site_quantizers():
+                if weight:
+                    found.append(
+                        Quantizer(f"{path}/{key}", q, layer, key, True)
+                    )
         elif isinstance(layer, TensorQuantizer):
             found.append(Quantizer(path, layer, layer))
     return found

@@ -1,0 +1,469 @@
+"""Quantization at the op call: the matmuls, einsums and attention written
+inside any layer's `call`.
+
+A layer without a row in the layer table (a custom layer, a keras-hub
+attention layer, a recommender's interaction, a mixture of experts) does
+its GEMMs in `keras.ops` calls in its own code. Those calls are
+intercepted (`_keras.intercept_ops`: the `keras.ops` module attributes are
+wrapped once, and pass straight through unless a quantized layer's call
+is running in this thread), so no class is needed per kind of layer:
+
+- At quantize time a *probe* runs the model once on zeros and records, for
+  each candidate layer, the sequence of `matmul` / `einsum` /
+  `dot_product_attention` calls its own code makes (the nearest frame
+  whose `self` is a layer owns a call), and the role of each operand: a
+  *weight* (one of the layer's variables, or a tensor moved from one by
+  transpose/reshape/cast: `MOVES`), a softmax output (*probs*), another
+  float *input*, or none (integers, symbolic).
+- Each site (the layer's path and the op's ordinal in its call, checked
+  against the op and the calling function) gets `TensorQuantizer`s, saved
+  in the record and the layer's weights; a weight per output channel (the
+  operand's axes that reach the output), an input or probs per tensor.
+- At call time the site's operands are fake-quantized and the original op
+  runs on them; `dot_product_attention` runs as matmul-softmax-matmul
+  with Q/DQ on the scaled query, the key, the softmax output and the
+  value (`quantized_attention`), TensorRT's fused-attention pattern.
+
+Guide and limits: `docs/architecture.md`.
+"""
+
+import inspect
+import sys
+import threading
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_mp import _keras
+
+# The ops whose operands get Q/DQ.
+GEMMS = ("matmul", "einsum", "dot_product_attention")
+# Ops that only move a weight's values (its operand is still "a weight").
+MOVES = (
+    "transpose",
+    "reshape",
+    "cast",
+    "expand_dims",
+    "squeeze",
+    "swapaxes",
+    "moveaxis",
+    "convert_to_tensor",
+)
+# The operand names of `dot_product_attention`'s quantizers.
+ATTENTION_OPERANDS = ("query", "key", "value", "probs")
+
+_local = threading.local()
+_ORIGINALS = {}
+
+
+def _state():
+    if not hasattr(_local, "scopes"):
+        _local.scopes = {}  # id(layer) -> CallScope of its running call
+        _local.probe = None
+    return _local
+
+
+def install():
+    """Intercepts the `keras.ops` functions op-level quantization reads
+    (once per process)."""
+    if not _ORIGINALS:
+        _ORIGINALS.update(
+            _keras.intercept_ops(GEMMS + MOVES + ("softmax",), _wrapper)
+        )
+
+
+def original(name):
+    install()
+    return _ORIGINALS[name]
+
+
+def _wrapper(name, op):
+    def intercepted(*args, **kwargs):
+        state = _state()
+        if not state.scopes and state.probe is None:
+            return op(*args, **kwargs)
+        return _dispatch(state, name, op, args, kwargs)
+
+    intercepted.__wrapped__ = op
+    intercepted.__name__ = op.__name__
+    intercepted.__doc__ = op.__doc__
+    intercepted.__signature__ = inspect.signature(op)
+    return intercepted
+
+
+def _owner(frame):
+    """`(layer, function name)`: the nearest layer whose code is running
+    (the first frame whose `self` is a Keras layer), and the name of the
+    function that called the op."""
+    where = frame.f_code.co_name
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, keras.layers.Layer):
+            return owner, where
+        frame = frame.f_back
+    return None, where
+
+
+def _dispatch(state, name, op, args, kwargs):
+    if _is_symbolic(args, kwargs):
+        return op(*args, **kwargs)
+    owner, where = _owner(sys._getframe(2))
+    if state.probe is not None:
+        return state.probe.record(owner, name, op, args, kwargs, where)
+    scope = state.scopes.get(id(owner))
+    if scope is None or name not in GEMMS:
+        return op(*args, **kwargs)
+    return scope.run(name, op, args, kwargs, where)
+
+
+def _is_symbolic(args, kwargs):
+    values = list(args) + list(kwargs.values())
+    return any(isinstance(v, keras.KerasTensor) for v in values)
+
+
+def _bind(name, op, args, kwargs):
+    """`(operands, rebuild)`: the tensor operands of a GEMM call, and a
+    function that calls `op` with replaced operands."""
+    if name == "einsum":
+        equation, operands = args[0], list(args[1:])
+        return operands, lambda new: op(equation, *new, **kwargs)
+    bound = inspect.signature(op).bind(*args, **kwargs)
+    keys = ("x1", "x2") if name == "matmul" else ("query", "key", "value")
+    operands = [bound.arguments[k] for k in keys]
+
+    def rebuild(new):
+        arguments = dict(bound.arguments)
+        arguments.update(zip(keys, new))
+        return op(**arguments)
+
+    return operands, rebuild
+
+
+def _is_float(x):
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+        return False
+    return "float" in keras.backend.standardize_dtype(dtype)
+
+
+def weight_axes(name, equation, index, shape):
+    """The output-channel axes of a weight operand: the axes that reach the
+    op's output and no other operand (an einsum's), or a matmul operand's
+    non-contracted matrix axis; `()` (per tensor) when there is none.
+
+    Batch axes (an expert axis `e` in `"btef,efd->bted"`, a matmul's
+    leading axes) share the ranges: ONNX's DequantizeLinear scales vary
+    along one axis only, so per-expert-and-channel ranges could not be
+    exported; each output channel's range covers every expert."""
+    rank = len(shape)
+    if name == "matmul":
+        if rank < 2:
+            return ()
+        return (rank - 1,) if index == 1 else (rank - 2,)
+    inputs, _, output = equation.replace(" ", "").partition("->")
+    subscripts = inputs.split(",")
+    if not output:  # implicit output: the labels used once, sorted
+        letters = "".join(subscripts)
+        output = "".join(sorted(c for c in letters if letters.count(c) == 1))
+    labels = subscripts[index]
+    if "." in labels:
+        return ()
+    others = "".join(s for i, s in enumerate(subscripts) if i != index)
+    axes = tuple(
+        i for i, c in enumerate(labels) if c in output and c not in others
+    )
+    return () if len(axes) == len(labels) else axes
+
+
+def gemm_size(shape, axes):
+    """`(K, N)` of a weight operand: the product of its contracted axes and
+    of its output axes."""
+    n = int(np.prod([shape[a] for a in axes])) if axes else 1
+    k = int(np.prod(shape)) // max(n, 1)
+    return k, n
+
+
+class Probe:
+    """Records the GEMM sites of `layers` during one call of the model."""
+
+    def __init__(self, layers):
+        self.layers = {id(layer): layer for layer in layers}
+        self.variables = {
+            id(layer): {id(v) for v in layer.weights} for layer in layers
+        }
+        self.sites = {}  # id(layer) -> list of sites of its first call
+        self.calls = {}  # id(layer) -> sites of the call running now
+        self.changed = {}  # id(layer) -> message when calls differ
+        self.tags = {}  # id(tensor) -> ("weight", id(layer)) or ("probs",)
+        self.alive = []  # tensors tagged, kept so that ids stay unique
+
+    def begin(self, layer):
+        self.calls[id(layer)] = []
+
+    def end(self, layer):
+        sites = self.calls.pop(id(layer))
+        first = self.sites.setdefault(id(layer), sites)
+        if _signature(first) != _signature(sites):
+            self.changed[id(layer)] = (
+                f"its calls make different op sequences "
+                f"({_signature(first)} and {_signature(sites)})"
+            )
+
+    def _tag(self, tensor, tag):
+        self.tags[id(tensor)] = tag
+        self.alive.append(tensor)
+        return tensor
+
+    def _weight_of(self, x, owner):
+        if id(x) in self.variables.get(id(owner), ()):
+            return True
+        return self.tags.get(id(x)) == ("weight", id(owner))
+
+    def record(self, owner, name, op, args, kwargs, where):
+        out = op(*args, **kwargs)
+        if name == "softmax":
+            return self._tag(out, ("probs",))
+        if name in MOVES:
+            source = args[0] if args else next(iter(kwargs.values()))
+            tag = self.tags.get(id(source))
+            for layer_id, variables in self.variables.items():
+                if id(source) in variables:
+                    tag = ("weight", layer_id)
+            return out if tag is None else self._tag(out, tag)
+        sites = self.calls.get(id(owner))
+        if sites is None:  # not a candidate's own code
+            return out
+        operands, _ = _bind(name, op, args, kwargs)
+        roles, seen = [], []
+        for index, x in enumerate(operands):
+            role, axes, shape = None, (), None
+            if _is_float(x):
+                shape = tuple(int(d) for d in x.shape)
+                if self._weight_of(x, owner):
+                    role = "weight"
+                    equation = args[0] if name == "einsum" else None
+                    axes = weight_axes(name, equation, index, shape)
+                elif self.tags.get(id(x)) == ("probs",):
+                    role = "probs"
+                else:
+                    role = "input"
+            same = name != "dot_product_attention" and next(
+                (
+                    [s, i]
+                    for s, site in enumerate(sites)
+                    for i, ref in enumerate(site["_refs"])
+                    if ref is x and site["operands"][i]["role"] == "input"
+                ),
+                None,
+            )
+            if role == "input" and same:
+                roles.append({"role": "input", "same": same, "shape": shape})
+            else:
+                roles.append({"role": role, "axes": list(axes), "shape": shape})
+            seen.append(x)
+        sites.append(
+            {"op": name, "where": where, "operands": roles, "_refs": seen}
+        )
+        return out
+
+
+def _signature(sites):
+    return [(s["op"], s["where"]) for s in sites]
+
+
+def probe(run, layers):
+    """Runs `run()` (the model on zeros) recording the op sites of each of
+    `layers`. Returns `({id(layer): [site, ...]}, {id(layer): message})`,
+    the second naming layers whose calls differ."""
+    install()
+    state = _state()
+    recorder = Probe(layers)
+    originals = [(layer, type(layer)) for layer in layers]
+
+    def probe_class(cls):
+        def __call__(self, *args, **kwargs):
+            recorder.begin(self)
+            try:
+                return cls.__call__(self, *args, **kwargs)
+            finally:
+                recorder.end(self)
+
+        return type(cls.__name__, (cls,), {"__call__": __call__})
+
+    classes = {}
+    try:
+        for layer, cls in originals:
+            if cls not in classes:
+                classes[cls] = probe_class(cls)
+            object.__setattr__(layer, "__class__", classes[cls])
+        state.probe = recorder
+        run()
+    finally:
+        state.probe = None
+        for layer, cls in originals:
+            object.__setattr__(layer, "__class__", cls)
+    for sites in recorder.sites.values():
+        for site in sites:
+            site.pop("_refs", None)
+    return recorder.sites, recorder.changed
+
+
+class CallScope:
+    """One running call of an op-quantized layer: the ordinal of its next
+    op, and the quantized operands already computed in this call."""
+
+    def __init__(self, layer):
+        self.layer = layer
+        self.count = 0
+        self.done = {}  # (site, operand) -> (raw tensor, quantized)
+
+    def run(self, name, op, args, kwargs, where):
+        layer = self.layer
+        k = self.count
+        self.count += 1
+        sites = layer.op_sites
+        if k >= len(sites) or (sites[k]["op"], sites[k]["where"]) != (
+            name,
+            where,
+        ):
+            expected = (
+                f"{sites[k]['op']} in {sites[k]['where']}()"
+                if k < len(sites)
+                else f"only {len(sites)} op(s)"
+            )
+            raise ValueError(
+                f"Layer {layer.quantize_path!r} "
+                f"({layer.float_class.__name__}) called `ops.{name}` in "
+                f"{where}() as its op #{k}, where it was quantized with "
+                f"{expected}: its code takes another path now (a Python "
+                "branch on `training` or a shape, or a changed library). "
+                "Quantize the model again from the float model, calling it "
+                "as it will be used, or leave this layer out with "
+                "`QuantizeConfig(skip=True)`."
+            )
+        site = sites[k]
+        quantizers = layer.op_quantizers_by_site.get(k)
+        if not quantizers or not layer.enabled:
+            return op(*args, **kwargs)
+        if name == "dot_product_attention":
+            return quantized_attention(op, args, kwargs, quantizers)
+        operands, rebuild = _bind(name, op, args, kwargs)
+        calibrating = layer._calibrating()
+        new = list(operands)
+        for i, spec in enumerate(site["operands"]):
+            q = quantizers.get(i)
+            if q is not None:
+                new[i] = self._quantize(k, i, spec, q, operands[i], calibrating)
+        return rebuild(new)
+
+    def _quantize(self, k, i, spec, q, x, calibrating):
+        if spec["role"] == "weight":
+            value = x.value if isinstance(x, keras.Variable) else x
+            if calibrating or tf.executing_eagerly():
+                q.update(value)  # the weights' max|w| now
+            if calibrating:
+                return value
+            return _same_dtype(q(value), value)
+        same = tuple(spec.get("same") or (k, i))
+        raw, quantized = self.done.get(same, (None, None))
+        if raw is x:  # one tensor, one Q/DQ
+            return quantized
+        quantized = _same_dtype(q(x), x)
+        self.done[(k, i)] = (x, quantized)
+        return quantized
+
+
+def _same_dtype(quantized, x):
+    if quantized.dtype != x.dtype:
+        quantized = keras.ops.cast(quantized, x.dtype)
+    return quantized
+
+
+class scope:
+    """Context manager: op-level quantization of `layer`'s own ops during
+    one call."""
+
+    def __init__(self, layer):
+        self.layer = layer
+
+    def __enter__(self):
+        install()
+        state = _state()
+        self.previous = state.scopes.get(id(self.layer))
+        state.scopes[id(self.layer)] = CallScope(self.layer)
+
+    def __exit__(self, *exc):
+        state = _state()
+        if self.previous is None:
+            state.scopes.pop(id(self.layer), None)
+        else:
+            state.scopes[id(self.layer)] = self.previous
+        return False
+
+
+def quantized_attention(op, args, kwargs, quantizers):
+    """`keras.ops.dot_product_attention` with fake-quantized operands, as
+    matmul -> softmax -> matmul with the math of Keras' TensorFlow backend
+    (`_dot_product_attention_xla`: scale, bias, mask, causal mask, grouped
+    key/value heads, softmax in float32), except that the scale multiplies
+    the query before the first matmul, where TensorRT's fused attention
+    wants it: Q/DQ on the scaled query (`quantizers[0]`), the key (1), the
+    value (2) and the softmax output (`"probs"`)."""
+    arguments = inspect.signature(op).bind(*args, **kwargs).arguments
+    ops = keras.ops
+    einsum, softmax = original("einsum"), original("softmax")
+
+    def fake_quant(key, x):
+        q = quantizers.get(key)
+        return x if q is None else _same_dtype(q(x), x)
+
+    query, key, value = (
+        ops.convert_to_tensor(arguments[n]) for n in ("query", "key", "value")
+    )
+    dtype = keras.backend.result_type(query.dtype, key.dtype, value.dtype)
+    query, key, value = (ops.cast(x, dtype) for x in (query, key, value))
+    heads, kv_heads = query.shape[2], key.shape[2]
+    if heads and kv_heads and heads > kv_heads > 1:
+        key = ops.repeat(key, heads // kv_heads, axis=2)
+        value = ops.repeat(value, heads // kv_heads, axis=2)
+    scale = arguments.get("scale")
+    if scale is None:
+        scale = 1.0 / float(np.sqrt(int(key.shape[-1])))
+    query = fake_quant(0, query * ops.cast(scale, dtype))
+    logits = einsum("BTNH,BSNH->BNTS", query, fake_quant(1, key))
+    logits = ops.cast(logits, keras.backend.result_type(dtype, "float32"))
+    bias = arguments.get("bias")
+    if bias is not None:
+        logits = logits + ops.cast(bias, logits.dtype)
+    logits = _masked(logits, arguments.get("mask"), arguments.get("is_causal"))
+    probs = ops.cast(softmax(ops.cast(logits, "float32"), axis=-1), dtype)
+    probs = fake_quant("probs", probs)
+    return einsum("BNTS,BSNH->BTNH", probs, fake_quant(2, value))
+
+
+def _masked(logits, mask, is_causal):
+    if mask is None and not is_causal:
+        return logits
+    ops = keras.ops
+    keep = ops.ones_like(logits, dtype="bool")
+    if mask is not None:
+        keep = ops.logical_and(keep, ops.cast(mask, "bool"))
+    if is_causal:
+        t, s = ops.shape(logits)[2], ops.shape(logits)[3]
+        causal = ops.tril(ops.ones((t, s), "bool"))
+        keep = ops.logical_and(keep, causal[None, None])
+    # Keras' `_get_large_negative`
+    dtype = keras.backend.standardize_dtype(logits.dtype)
+    large = (65500.0 if dtype == "float16" else 3.38953e38) * -0.7
+    return ops.where(keep, logits, ops.cast(large, dtype))
+
+
+def site_key(site, k, i):
+    """The quantizer's name in reports: `<op>_<ordinal>/<operand>`."""
+    operand = (
+        ATTENTION_OPERANDS[i]
+        if site["op"] == "dot_product_attention"
+        else f"operand_{i}"
+    )
+    return f"{site['op']}_{k}/{operand}"
