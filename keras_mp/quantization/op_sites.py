@@ -15,10 +15,16 @@ is running in this thread), so no class is needed per kind of layer:
   *weight* (one of the layer's variables, or a tensor moved from one by
   transpose/reshape/cast: `MOVES`), a softmax output (*probs*), another
   float *input*, or none (integers, symbolic).
-- Each site (the layer's path and the op's ordinal in its call, checked
-  against the op and the calling function) gets `TensorQuantizer`s, saved
-  in the record and the layer's weights; a weight per output channel (the
-  operand's axes that reach the output), an input or probs per tensor.
+- Each site is identified by the layer's path, the op's source location
+  (function, file and line of the call) and its occurrence there within
+  one call (a loop or generator calls one line several times); it is named
+  by its ordinal among the layer's sites (`einsum_2/operand_1`). A call
+  of a layer may skip sites (a shared embedding called forward, then
+  reversed); an op at a location the probe never saw is an error naming
+  the layer. Each site gets `TensorQuantizer`s, saved in the record and
+  the layer's weights: a weight per output channel (the operand's axes
+  that reach the output and no other operand), an input or probs per
+  tensor.
 - At call time the site's operands are fake-quantized and the original op
   runs on them; `dot_product_attention` runs as matmul-softmax-matmul
   with Q/DQ on the scaled query, the key, the softmax output and the
@@ -28,6 +34,7 @@ Guide and limits: `docs/architecture.md`.
 """
 
 import inspect
+import os
 import sys
 import threading
 
@@ -96,7 +103,9 @@ def _owner(frame):
     """`(layer, function name)`: the nearest layer whose code is running
     (the first frame whose `self` is a Keras layer), and the name of the
     function that called the op."""
-    where = frame.f_code.co_name
+    code = frame.f_code
+    where = f"{code.co_name} ({os.path.basename(code.co_filename)}:"
+    where += f"{frame.f_lineno})"
     while frame is not None:
         owner = frame.f_locals.get("self")
         if isinstance(owner, keras.layers.Layer):
@@ -199,16 +208,11 @@ class Probe:
         self.alive = []  # tensors tagged, kept so that ids stay unique
 
     def begin(self, layer):
-        self.calls[id(layer)] = []
+        self.calls[id(layer)] = {}  # where -> occurrences in this call
+        self.sites.setdefault(id(layer), [])
 
     def end(self, layer):
-        sites = self.calls.pop(id(layer))
-        first = self.sites.setdefault(id(layer), sites)
-        if _signature(first) != _signature(sites):
-            self.changed[id(layer)] = (
-                f"its calls make different op sequences "
-                f"({_signature(first)} and {_signature(sites)})"
-            )
+        self.calls.pop(id(layer))
 
     def _tag(self, tensor, tag):
         self.tags[id(tensor)] = tag
@@ -231,45 +235,63 @@ class Probe:
                 if id(source) in variables:
                     tag = ("weight", layer_id)
             return out if tag is None else self._tag(out, tag)
-        sites = self.calls.get(id(owner))
-        if sites is None:  # not a candidate's own code
+        seen_here = self.calls.get(id(owner))
+        if seen_here is None:  # not a candidate's own code
             return out
+        sites = self.sites[id(owner)]
+        occurrence = seen_here.get(where, 0)
+        seen_here[where] = occurrence + 1
         operands, _ = _bind(name, op, args, kwargs)
-        roles, seen = [], []
+        roles, refs = [], []
         for index, x in enumerate(operands):
-            role, axes, shape = None, (), None
-            if _is_float(x):
-                shape = tuple(int(d) for d in x.shape)
-                if self._weight_of(x, owner):
-                    role = "weight"
-                    equation = args[0] if name == "einsum" else None
-                    axes = weight_axes(name, equation, index, shape)
-                elif self.tags.get(id(x)) == ("probs",):
-                    role = "probs"
-                else:
-                    role = "input"
-            same = name != "dot_product_attention" and next(
-                (
-                    [s, i]
-                    for s, site in enumerate(sites)
-                    for i, ref in enumerate(site["_refs"])
-                    if ref is x and site["operands"][i]["role"] == "input"
-                ),
-                None,
-            )
-            if role == "input" and same:
-                roles.append({"role": "input", "same": same, "shape": shape})
-            else:
-                roles.append({"role": role, "axes": list(axes), "shape": shape})
-            seen.append(x)
-        sites.append(
-            {"op": name, "where": where, "operands": roles, "_refs": seen}
+            roles.append(self._role(owner, name, args, index, x, sites))
+            refs.append(x)
+        site = {
+            "op": name,
+            "where": where,
+            "occurrence": occurrence,
+            "operands": roles,
+        }
+        known = next(
+            (
+                s
+                for s in sites
+                if (s["where"], s["occurrence"]) == (where, occurrence)
+            ),
+            None,
         )
+        if known is None:
+            site["_refs"] = refs
+            sites.append(site)
+        elif _shape_free(known) != _shape_free(site):
+            self.changed[id(owner)] = (
+                f"`ops.{name}` in {where} takes operands of other kinds in "
+                "another call"
+            )
         return out
 
+    def _role(self, owner, name, args, index, x, sites):
+        if not _is_float(x):
+            return {"role": None}
+        shape = [int(d) for d in x.shape]
+        if self._weight_of(x, owner):
+            equation = args[0] if name == "einsum" else None
+            axes = weight_axes(name, equation, index, shape)
+            return {"role": "weight", "axes": list(axes), "shape": shape}
+        if self.tags.get(id(x)) == ("probs",):
+            return {"role": "probs", "shape": shape}
+        if name != "dot_product_attention":
+            for s, site in enumerate(sites):
+                for i, ref in enumerate(site.get("_refs", ())):
+                    if ref is x and site["operands"][i]["role"] == "input":
+                        return {"role": "input", "same": [s, i]}
+        return {"role": "input", "shape": shape}
 
-def _signature(sites):
-    return [(s["op"], s["where"]) for s in sites]
+
+def _shape_free(site):
+    """A site's op and operand roles, without shapes (a shared layer's
+    calls may see other batch or sequence sizes)."""
+    return (site["op"], [spec["role"] for spec in site["operands"]])
 
 
 def probe(run, layers):
@@ -310,37 +332,34 @@ def probe(run, layers):
 
 
 class CallScope:
-    """One running call of an op-quantized layer: the ordinal of its next
-    op, and the quantized operands already computed in this call."""
+    """One running call of an op-quantized layer: how often each call site
+    ran so far (a site is its source location and occurrence), and the
+    quantized operands already computed in this call."""
 
     def __init__(self, layer):
         self.layer = layer
-        self.count = 0
+        self.seen = {}  # where -> ops called there so far in this call
         self.done = {}  # (site, operand) -> (raw tensor, quantized)
 
     def run(self, name, op, args, kwargs, where):
         layer = self.layer
-        k = self.count
-        self.count += 1
+        occurrence = self.seen.get(where, 0)
+        self.seen[where] = occurrence + 1
+        k = layer.op_site_index.get((where, occurrence))
         sites = layer.op_sites
-        if k >= len(sites) or (sites[k]["op"], sites[k]["where"]) != (
-            name,
-            where,
-        ):
-            expected = (
-                f"{sites[k]['op']} in {sites[k]['where']}()"
-                if k < len(sites)
-                else f"only {len(sites)} op(s)"
+        if k is None or sites[k]["op"] != name:
+            recorded = ", ".join(
+                f"{s['op']} in {s['where']}" for s in sites[:4]
             )
             raise ValueError(
                 f"Layer {layer.quantize_path!r} "
                 f"({layer.float_class.__name__}) called `ops.{name}` in "
-                f"{where}() as its op #{k}, where it was quantized with "
-                f"{expected}: its code takes another path now (a Python "
-                "branch on `training` or a shape, or a changed library). "
-                "Quantize the model again from the float model, calling it "
-                "as it will be used, or leave this layer out with "
-                "`QuantizeConfig(skip=True)`."
+                f"{where} (time {occurrence + 1} in this call), an op it "
+                f"was not quantized with (it was: {recorded}): its code "
+                "takes another path now (a Python branch on `training` or "
+                "a shape, or a changed library). Quantize the model again "
+                "from the float model, calling it as it will be used, or "
+                "leave this layer out with `QuantizeConfig(skip=True)`."
             )
         site = sites[k]
         quantizers = layer.op_quantizers_by_site.get(k)

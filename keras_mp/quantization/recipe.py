@@ -60,13 +60,16 @@ class Recipe:
 
 
 @functools.cache
-def twin_class(cls):
+def twin_class(cls, ops_only=False):
     """The quantized twin of layer class `cls`: a subclass of it and of
     `QuantizedLayer` (`QuantizedAttention` for attention layers,
     `hub_attention`'s twins for keras-hub's own attention layers,
     `keras_attention`'s for Keras' other attention layers, `QuantizedDot`
-    for `keras.layers.Dot`)."""
-    if issubclass(cls, keras.layers.MultiHeadAttention):
+    for `keras.layers.Dot`); `QuantizedLayer` alone for a layer quantized
+    at its op sites only (`ops_only`)."""
+    if ops_only:
+        base = QuantizedLayer
+    elif issubclass(cls, keras.layers.MultiHeadAttention):
         base = QuantizedAttention
     elif issubclass(cls, keras.layers.Dot):
         base = QuantizedDot
@@ -170,7 +173,8 @@ def attach(layer, row, config, inputs, path, calls=1, sites=()):
             placement.qdq_role(layer) == "same_scale"
             and not config.learned_range
         )
-    object.__setattr__(layer, "__class__", twin_class(type(layer)))
+    twin = twin_class(type(layer), row is None)
+    object.__setattr__(layer, "__class__", twin)
     for q in layer.owned_quantizers():
         _models.own(layer, q)
     layer.update_weight_ranges()
@@ -216,6 +220,11 @@ def _attach_sites(layer, sites, fmt, config):
             )
             layer.op_quantizers.append(found["probs"])
     object.__setattr__(layer, "op_quantizers_by_site", by_site)
+    object.__setattr__(
+        layer,
+        "op_site_index",
+        {(s["where"], s["occurrence"]): k for k, s in enumerate(sites)},
+    )
 
 
 def apply_recipe(model, recipe):

@@ -279,7 +279,7 @@ def test_attention_false_leaves_the_matmuls_float():
     assert len(projections) == 4 and all(r["quantized"] for r in projections)
 
 
-def test_an_unsupported_attention_layer_is_named_in_the_report():
+def test_an_attention_layer_without_a_twin_is_quantized_at_its_ops():
     # Bloom computes attention (ALiBi) inline in its `call`.
     attention = keras_hub.src.models.bloom.bloom_attention
     layer = attention.BloomAttention(num_heads=2, name="bloom")
@@ -289,10 +289,15 @@ def test_an_unsupported_attention_layer_is_named_in_the_report():
     x = keras.layers.Dense(16, name="proj")(inputs)
     model = keras.Model([inputs, mask], layer(x, attention_mask=mask))
     qmodel = keras_mp.quantize_model(model)
+    data = [
+        np.random.default_rng(0).normal(size=(8, 4, 16)).astype("float32"),
+        np.ones((8, 4, 4), "int32"),
+    ]
+    keras_mp.calibrate(qmodel, data, verbose=0)
     rows = {r["layer"]: r for r in keras_mp.quantization_report(qmodel, False)}
-    assert rows["bloom"]["note"] == (
-        "attention matmuls run in float: BloomAttention not supported"
-    )
+    assert rows["bloom"]["quantized"], rows["bloom"]
+    # both attention matmuls: the scores' operands, the probs and values
+    assert len(rows["bloom"]["inputs"]) >= 4, rows["bloom"]["inputs"]
 
 
 # Attention with a position term of its own: T5 adds a relative position
