@@ -364,11 +364,13 @@ def intercept_ops(names, make_wrapper):
     originals = {}
     for name in names:
         current = getattr(keras.ops, name)
-        original = getattr(current, "__wrapped__", current)
-        originals[name] = original
-        if current is not original:
-            continue  # already intercepted
+        original = getattr(current, "_keras_mp_original", None)
+        if original is not None:  # already intercepted
+            originals[name] = original
+            continue
+        originals[name] = original = current
         wrapper = make_wrapper(name, original)
+        wrapper._keras_mp_original = original
         for module_name, module in list(sys.modules.items()):
             if not module_name.startswith("keras") or module is None:
                 continue
@@ -377,3 +379,28 @@ def intercept_ops(names, make_wrapper):
             if getattr(module, name, None) is original:
                 setattr(module, name, wrapper)
     return originals
+
+
+def intercept_tensor_matmul(matmul):
+    """Makes the `@` operator of TensorFlow tensors call `matmul(x1, x2)`
+    (keras-hub's SegFormer and ViTDet attention write `q @ k`, which
+    reaches `tf.matmul` without `keras.ops`). Returns the operator's
+    original function. Checked on TensorFlow 2.21: the operator is set on
+    `tf.Tensor` and inherited by eager and graph tensors."""
+    import tensorflow as tf
+
+    current = tf.Tensor.__matmul__
+    original = getattr(current, "_keras_mp_original", None)
+    if original is None:
+        original = current
+
+        def __matmul__(self, other):
+            return matmul(self, other)
+
+        def __rmatmul__(self, other):
+            return matmul(other, self)
+
+        __matmul__._keras_mp_original = original
+        tf.Tensor.__matmul__ = __matmul__
+        tf.Tensor.__rmatmul__ = __rmatmul__
+    return original

@@ -56,6 +56,7 @@ MOVES = (
     "swapaxes",
     "moveaxis",
     "convert_to_tensor",
+    "take",  # rows of a table: relative-position embeddings (ViTDet)
 )
 # The operand names of `dot_product_attention`'s quantizers.
 ATTENTION_OPERANDS = ("query", "key", "value", "probs")
@@ -78,6 +79,19 @@ def install():
         _ORIGINALS.update(
             _keras.intercept_ops(GEMMS + MOVES + ("softmax",), _wrapper)
         )
+        operator = _keras.intercept_tensor_matmul(_tensor_matmul)
+        _ORIGINALS["@"] = lambda x1, x2: operator(x1, x2)
+
+
+def _tensor_matmul(x1, x2):
+    """`x1 @ x2` on TensorFlow tensors: a `matmul` site like `ops.matmul`
+    (the frame that wrote `@` calls this one directly)."""
+    state = _state()
+    op = _ORIGINALS["@"]
+    if not state.scopes and state.probe is None:
+        return op(x1, x2)
+    # frames: _dispatch, this, the operator in `_keras`, the caller
+    return _dispatch(state, "matmul", op, (x1, x2), {}, depth=3)
 
 
 def original(name):
@@ -92,7 +106,6 @@ def _wrapper(name, op):
             return op(*args, **kwargs)
         return _dispatch(state, name, op, args, kwargs)
 
-    intercepted.__wrapped__ = op
     intercepted.__name__ = op.__name__
     intercepted.__doc__ = op.__doc__
     intercepted.__signature__ = inspect.signature(op)
@@ -114,10 +127,10 @@ def _owner(frame):
     return None, where
 
 
-def _dispatch(state, name, op, args, kwargs):
+def _dispatch(state, name, op, args, kwargs, depth=2):
     if _is_symbolic(args, kwargs):
         return op(*args, **kwargs)
-    owner, where = _owner(sys._getframe(2))
+    owner, where = _owner(sys._getframe(depth))
     if state.probe is not None:
         return state.probe.record(owner, name, op, args, kwargs, where)
     scope = state.scopes.get(id(owner))
@@ -137,6 +150,8 @@ def _bind(name, op, args, kwargs):
     if name == "einsum":
         equation, operands = args[0], list(args[1:])
         return operands, lambda new: op(equation, *new, **kwargs)
+    if name == "matmul" and not kwargs:  # `ops.matmul(a, b)`, `a @ b`
+        return list(args[:2]), lambda new: op(*new)
     bound = inspect.signature(op).bind(*args, **kwargs)
     keys = ("x1", "x2") if name == "matmul" else ("query", "key", "value")
     operands = [bound.arguments[k] for k in keys]

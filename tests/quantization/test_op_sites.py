@@ -1,7 +1,7 @@
 """Op-level quantization: the GEMMs inside a layer's own code (`op_sites`).
 
 Layers nobody wrote a twin for: a hand-written attention (`ops.matmul` on
-its own weights, a transposed key, a softmax), a layer calling
+its own weights, `@` on a transposed key, a softmax), a layer calling
 `ops.dot_product_attention` with a causal mask, a mixture of experts
 (`ops.einsum` with an expert axis), and keras-hub's tied-embedding output
 (`ReversibleEmbedding(reverse=True)`: `ops.matmul` on the transposed
@@ -36,7 +36,7 @@ class HandAttention(keras.layers.Layer):
 
     def call(self, x):
         q, k, v = (ops.matmul(x, w) for w in (self.wq, self.wk, self.wv))
-        scores = ops.matmul(q, ops.transpose(k, (0, 2, 1)))
+        scores = q @ ops.transpose(k, (0, 2, 1))  # the `@` operator too
         probs = ops.softmax(scores / np.sqrt(self.dim), axis=-1)
         return ops.matmul(ops.matmul(probs, v), self.wo)
 
