@@ -408,7 +408,11 @@ def placement(path):
     from keras_mp.onnx.graph import GraphIndex
 
     report = keras_mp.check_tensorrt(path)
-    graph = GraphIndex(onnx.load(path))
+    proto = onnx.load(path)
+    graph = GraphIndex(proto)
+    left = [op for op in graph.weighted if not all(graph.quantized_inputs(op))]
+    small = _small_gemms(proto, left)
+    eligible = max(report.weighted_ops - len(small), 1)
     return {
         "lint_ok": report.ok,
         "violations": len(report.violations),
@@ -417,12 +421,42 @@ def placement(path):
         "weighted_ops": report.weighted_ops,
         "weighted_quantized": report.weighted_ops_quantized,
         "coverage": report.weighted_ops_quantized / max(report.weighted_ops, 1),
-        "left_float": [
-            f"{op.op_type} {graph.name(op)}"
-            for op in graph.weighted
-            if not all(graph.quantized_inputs(op))
-        ],
+        "left_float": [f"{op.op_type} {graph.name(op)}" for op in left],
+        # MatMuls the small-GEMM rule keeps float (K or N below 16: an MoE
+        # router, a relative-position table), and the coverage of the rest
+        "small_gemms": len(small),
+        "coverage_by_rule": report.weighted_ops_quantized / eligible,
     }
+
+
+def _small_gemms(proto, ops):
+    """The MatMul/Gemm nodes of `ops` whose K or N (from ONNX shape
+    inference) is below `placement.MIN_GEMM_DIM`."""
+    import onnx
+
+    from keras_mp.quantization.placement import MIN_GEMM_DIM
+
+    inferred = onnx.shape_inference.infer_shapes(proto).graph
+    shapes = {
+        info.name: [
+            d.dim_value or None for d in info.type.tensor_type.shape.dim
+        ]
+        for info in [*inferred.value_info, *inferred.input, *inferred.output]
+    }
+    shapes.update(
+        {init.name: list(init.dims) for init in proto.graph.initializer}
+    )
+    small = []
+    for op in ops:
+        if op.op_type not in ("MatMul", "Gemm"):
+            continue
+        a, b = shapes.get(op.input[0]), shapes.get(op.input[1])
+        if not a or not b or len(b) < 2:
+            continue
+        k, n = a[-1], b[-1]
+        if any(d is not None and d < MIN_GEMM_DIM for d in (k, n)):
+            small.append(op)
+    return small
 
 
 def _count_rules(findings):
