@@ -371,3 +371,37 @@ def test_multi_worker_non_finite_step_is_skipped_without_deadlock(tmp_path):
     for state in states:
         assert state["skipped_steps"] == 1 and state["loss_scale"] == 128.0
         assert np.all(np.isfinite(state["weight/000"]))
+
+
+def test_op_sites_calibrate_and_train_under_mirrored_strategy(
+    mirrored_strategy,
+):
+    """Quantizers at the op sites of a custom layer (each replica traces
+    the layer's code in its own thread): calibration as on one device, and
+    QAT weights within 1e-4 of the single-device run, equal on both
+    replicas."""
+    from tests.quantization.test_op_sites import _data, _model
+
+    x = _data(32)
+    y = np.random.default_rng(1).normal(size=(32, 4)).astype("float32")
+
+    def trained(strategy):
+        with strategy.scope():
+            model = keras_mp.quantize_model(_model("hand"))
+        report = keras_mp.calibrate(model, x, batch_size=16, verbose=0)
+        with strategy.scope():
+            model.compile(keras.optimizers.SGD(1e-2), "mse")
+        model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+        return model, report
+
+    single, single_report = trained(tf.distribute.get_strategy())
+    model, report = trained(mirrored_strategy)
+    assert [n for n in report.ranges if "matmul_" in n]
+    # in walk order (the head's automatic name differs between the two)
+    assert list(report.ranges.values()) == list(single_report.ranges.values())
+    sites = [q for q in quantizers(model) if "/matmul_" in q.name]
+    _assert_replicas_equal(mirrored_strategy, [q.quantizer.amax for q in sites])
+    for a, b in zip(model.weights, single.weights):
+        np.testing.assert_allclose(
+            np.asarray(a.value), np.asarray(b.value), rtol=1e-4, atol=1e-6
+        )
