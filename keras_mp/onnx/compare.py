@@ -7,48 +7,18 @@ import os
 from keras_mp import _inputs as _inputs_mod
 from keras_mp._compat import optional_import
 from keras_mp._models import check_graph_model
-from keras_mp.onnx.compare_graph import Graph, best_layout
+from keras_mp.onnx.compare_graph import Graph
 from keras_mp.onnx.compare_graph import run as run_onnx
-from keras_mp.onnx.compare_match import is_qdq, plan, step
-from keras_mp.onnx.compare_trace import keras_values, trace
+from keras_mp.onnx.compare_match import plan
+from keras_mp.onnx.compare_rows import (  # noqa: F401 (LayerError: public here)
+    LayerError,
+    mark_rounding,
+    rows_of,
+    tolerances,
+)
+from keras_mp.onnx.compare_trace import exported_ranges, keras_values, trace
 from keras_mp.onnx.twin import float32_twin, half_compute_dtype
 from keras_mp.quantization.legacy import check_current
-
-
-@dataclasses.dataclass
-class LayerError:
-    """ONNX Runtime against Keras at one layer's output.
-
-    Attributes:
-        depth: int. The position of the layer call among all the calls
-            of the trace, in the order they finish.
-        name: str. The layer's path of names from the model down
-            (`vi_t_backbone/vit_encoder/transformer_block_1/mha/query`; its name
-            for a layer of the model itself), `(call 2)` added for a
-            layer's second call.
-        kind: str. Its type (`QuantizedDense` for a quantized layer).
-        tensor: str. The ONNX tensor compared with the layer's output.
-        max_abs: float. Max absolute difference.
-        rel_l2: float. `||onnx - keras|| / ||keras||`.
-        steps: float or None. At an activation quantizer (a Q/DQ of its
-            own, which is judged by this only), the difference of its
-            output in quantization steps (`amax / 127` for 8 bits); None
-            elsewhere.
-        diverged: bool. Past the report's tolerance.
-        rounding: bool. Past the tolerance, but only through one-step
-            rounding flips at Q/DQs before it: within it once Keras is
-            fed ONNX Runtime's values of those Q/DQs (`diverged` False).
-    """
-
-    depth: int
-    name: str
-    kind: str
-    tensor: str
-    max_abs: float
-    rel_l2: float
-    steps: float = None
-    diverged: bool = False
-    rounding: bool = False
 
 
 @dataclasses.dataclass
@@ -155,10 +125,6 @@ def _inputs(model, data, samples):
     return [x[:samples] for x in arrays] if samples else arrays
 
 
-def _kind(layer):
-    return type(layer).__name__
-
-
 def compare_onnx(
     model, onnx_path, data, samples=None, max_steps=None, max_rel_l2=None
 ):
@@ -207,7 +173,11 @@ def compare_onnx(
             to None (all).
         max_steps: float. A Q/DQ whose error is more than this many
             quantization steps diverges (up to float32 rounding of the
-            step: a one-step rounding flip does not, at 1.0). Defaults to
+            step: a one-step rounding flip does not, at 1.0). A step is
+            the distance between neighbouring codes of the quantizer's
+            format where the values lie (`NumberFormat.local_step`):
+            `amax / 127` for INT8, from `amax / 448 / 512` near 0 to
+            `32 * amax / 448` near `amax` for FP8 E4M3. Defaults to
             None: 1.0 for a float32 graph, 1.124 for a float16 one (a
             flip plus the float16 rounding of the scale and the output,
             127 * 2**-11 step each).
@@ -218,7 +188,13 @@ def compare_onnx(
 
     A model whose layers compute in float16 or bfloat16 is compared as
     `export_onnx` exported it: through its float32 twin
-    (`keras_mp.onnx.twin.float32_twin`).
+    (`keras_mp.onnx.twin.float32_twin`). A float16 graph
+    (`export_onnx(dtype="float16")`) is compared with Keras quantizing on
+    the scales it stores (raised to float16's smallest normal number,
+    `keras_mp.onnx.subnormal`); a relative error counts values below that
+    number as that number; and its rounding, carried from Q/DQ to Q/DQ,
+    is marked `rounding` as a flip is. A bfloat16 graph is refused:
+    ONNX Runtime cannot run its Q/DQ.
 
     Returns:
         `CompareReport` (`.rows`, `.first_divergence`, `.to_markdown()`,
@@ -227,9 +203,9 @@ def compare_onnx(
     Raises:
         TypeError: not a Sequential or Functional Keras model.
         ValueError: the model was never called, `data` does not fit its
-            inputs, the ONNX file is not an export of this model, or the
-            model holds layers of an earlier keras_mp (`keras_mp.upgrade`
-            first).
+            inputs, the ONNX file is not an export of this model or is a
+            bfloat16 graph, or the model holds layers of an earlier
+            keras_mp (`keras_mp.upgrade` first).
         FileNotFoundError: no file at `onnx_path`.
 
     Example:
@@ -263,140 +239,48 @@ def compare_onnx(
             f"{model.name!r} has {len(inputs)}: it is not an export of this "
             "model. Export it with keras_mp.export_onnx(model, path)."
         )
+    graph = Graph(proto)
+    if graph.bfloat16:
+        raise ValueError(
+            f"{onnx_path} is a bfloat16 graph (export_onnx(dtype='bfloat16'))"
+            ": ONNX Runtime's CPU provider cannot run its bfloat16 Q/DQ, so "
+            "its layers cannot be read. Compare the float32 export "
+            "(export_onnx(model, path)) or the float16 one (dtype='float16'),"
+            " whose Q/DQ placement is the same."
+        )
     specs = _inputs_mod.input_specs(model, "compare_onnx")
     # export_onnx traced the float32 twin of a 16-bit model: that is what
     # the graph computes, so that is what its layers are compared with.
     traced = float32_twin(model) if half_compute_dtype(model) else model
+    tolerance = tolerances(graph, max_steps, max_rel_l2)
+    # A float16 graph quantizes on scales raised to float16's smallest
+    # normal: the Keras side takes them while it runs.
+    with exported_ranges(traced, graph.tiny):
+        return _report(traced, specs, inputs, onnx_path, graph, tolerance)
+
+
+def _report(traced, specs, inputs, onnx_path, graph, tolerance):
+    """The `CompareReport` of `traced` (its ranges as the graph's) on
+    `inputs` against the ONNX graph."""
     run, calls, never = trace(traced, specs)
     values = keras_values(run, inputs)
-    graph = Graph(proto)
-    precision = "float16" if graph.float16 else "float32"
-    max_steps = _TOLERANCES[precision][0] if max_steps is None else max_steps
-    if max_rel_l2 is None:
-        max_rel_l2 = _TOLERANCES[precision][1]
-
     matched, unmatched = plan(graph, calls, values)
     unmatched = [(path, why) for _, path, why in never] + unmatched
     if not matched:
         raise ValueError(
-            f"No layer of model {model.name!r} appears in {onnx_path}: it "
+            f"No layer of model {traced.name!r} appears in {onnx_path}: it "
             "is not an export of this model. Export it with "
             "keras_mp.export_onnx(model, path)."
         )
     wanted = [t for _, _, views in matched for t, _ in views]
-    got = run_onnx(proto, graph, list(dict.fromkeys(wanted)), inputs)
+    got = run_onnx(graph.proto, graph, list(dict.fromkeys(wanted)), inputs)
 
-    tolerance = (max_steps, max_rel_l2)
-    rows, lost, qdqs = _rows(matched, values, graph, got, tolerance)
+    rows, lost, qdqs = rows_of(matched, values, graph, got, tolerance)
     if any(r.diverged for r in rows):
         fit = (matched, graph, got, tolerance)
-        _mark_rounding(traced, specs, inputs, rows, qdqs, fit)
+        mark_rounding(traced, specs, inputs, rows, qdqs, fit)
     return CompareReport(
-        len(inputs[0]), rows, unmatched + lost, max_steps, max_rel_l2, precision
-    )
-
-
-def _rows(matched, values, graph, got, tolerance, names=None):
-    """(`LayerError` rows, (path, why) for the calls no tensor fitted,
-    ONNX Runtime's value of each Q/DQ row in Keras' layout by name).
-    `values` are indexed as `names[call.name]` when given (a later
-    trace), else by `call.output`."""
-    rows, unmatched, qdqs = [], [], {}
-    for depth, call, views in matched:
-        index = call.output if names is None else names.get(call.name)
-        if index is None:
-            continue
-        want = values[index]
-        found = [
-            (fit, f"{t} ({label})" if label else t)
-            for t, label in views
-            if (fit := best_layout(graph.view(t, label, got[t]), want))
-            is not None
-        ]
-        if not found:
-            unmatched.append(
-                (
-                    call.name,
-                    "no ONNX tensor of its output's size (tried "
-                    + ", ".join(
-                        repr(t) for t in dict.fromkeys(t for t, _ in views)
-                    )
-                    + ")",
-                )
-            )
-            continue
-        (err, layout), tensor = min(found, key=lambda f: f[0][0][1])
-        layer, steps, qdq = call.layer, None, False
-        if is_qdq(layer):
-            qdq = True
-            steps = err[0] / step(layer)
-            qdqs[call.name] = layout
-        # A Q/DQ's output is judged in steps only: flips of single values
-        # are rounding, however many there are.
-        rel_l2 = None if qdq else err[1]
-        diverged = _diverged(rel_l2, steps, *tolerance)
-        rows.append(
-            LayerError(
-                depth, call.name, _kind(layer), tensor, *err, steps, diverged
-            )
-        )
-    return rows, unmatched, qdqs
-
-
-# Passes of `_mark_rounding`: each feeds Keras the Q/DQs that flipped in
-# the last one, whose flips may move the Q/DQs after them.
-_ROUNDING_PASSES = 4
-
-
-def _mark_rounding(traced, specs, inputs, rows, qdqs, fit):
-    """Marks `rounding` the diverged rows that only one-step rounding
-    flips upstream explain: Keras is traced again with each Q/DQ that
-    flipped (a whole step off, within `max_steps`) returning ONNX
-    Runtime's value instead of its own, so the layers after it read
-    the inputs ONNX's did; a row within tolerance then is rounding
-    carried forward, not an export fault (a wrong weight, scale or op
-    still diverges). Repeated while new Q/DQs flip."""
-    matched, graph, got, tolerance = fit
-    fed, current = set(), rows
-    for _ in range(_ROUNDING_PASSES):
-        flipped = fed | {
-            r.name
-            for r in current
-            if r.steps is not None and not r.diverged and r.steps >= 0.5
-        }
-        if flipped == fed:
-            break
-        fed = flipped
-        inject = [(r.name, qdqs[r.name]) for r in rows if r.name in fed]
-        run, calls, _ = trace(traced, specs, inject)
-        values = keras_values(run, inputs + [v for _, v in inject])
-        names = {c.name: c.output for c in calls}
-        current, _, _ = _rows(matched, values, graph, got, tolerance, names)
-    if not fed:
-        return
-    within = {r.name for r in current if not r.diverged}
-    for row in rows:
-        if row.diverged and row.name in within:
-            row.diverged, row.rounding = False, True
-
-
-# (max_steps, max_rel_l2) by the graph's float type. A float16 graph
-# (`export_onnx(fp16=True)`) rounds every activation to 11 significant
-# bits (a relative error up to 2**-11 per op, which adds up over layers),
-# and a Q/DQ's scale and output too: each moves a code of 127 by up to
-# 127 * 2**-11 = 0.06 step, on top of a rounding flip.
-_FLOAT16_STEPS = 1.0 + 2 * 127 * 2.0**-11
-_TOLERANCES = {"float32": (1.0, 1e-3), "float16": (_FLOAT16_STEPS, 1e-2)}
-
-# A one-step rounding flip measures 1 step only up to float32 rounding of
-# the step itself (1.0000008, say): not a divergence at max_steps=1.
-_STEP_SLACK = 1e-3
-
-
-def _diverged(rel_l2, steps, max_steps, max_rel_l2):
-    """Past a tolerance: `rel_l2` (None: not judged) or `steps`."""
-    return (rel_l2 is not None and rel_l2 > max_rel_l2) or (
-        steps is not None and steps > max_steps + _STEP_SLACK
+        len(inputs[0]), rows, unmatched + lost, *tolerance, graph.precision
     )
 
 

@@ -14,6 +14,7 @@ from keras_mp.onnx.parity import ort_session, run_session
 
 FLOAT_TYPES = (1, 10, 11)  # onnx.TensorProto FLOAT, FLOAT16, DOUBLE
 FLOAT16 = 10
+BFLOAT16 = 16
 
 
 # Layouts tried per tensor: every order of the Keras output's axes up to
@@ -88,11 +89,14 @@ def error(got, want):
     return None if best is None else best[0]
 
 
-def best_layout(got, want):
+def best_layout(got, want, floor=0.0):
     """((max abs, rel L2), `got` in `want`'s layout) for the layout of
-    `got` that fits `want` best (`error`); None when none fits."""
+    `got` that fits `want` best (`error`); None when none fits. The
+    relative L2 takes each value of `want` as at least `floor` in size
+    (a 16-bit graph's smallest normal number, below which its step no
+    longer shrinks with the value)."""
     best = None
-    norm = max(float(np.linalg.norm(want)), 1e-12)
+    norm = max(float(np.linalg.norm(np.maximum(np.abs(want), floor))), 1e-12)
     for g in _layouts(got, want):
         diff = np.abs(g.astype(np.float64) - want)
         err = (float(diff.max()), float(np.linalg.norm(diff)) / norm)
@@ -202,6 +206,7 @@ class Graph:
 
     def __init__(self, proto):
         onnx = optional_import("onnx")
+        self.proto = proto
         inferred = onnx.shape_inference.infer_shapes(proto).graph
         self.types = {}
         for info in list(inferred.value_info) + list(inferred.output):
@@ -223,10 +228,21 @@ class Graph:
             and n.input[0] not in self.initializers
         ]
         self._dq_by_output = {n.output[0]: n for n in self._dqs}
-        # An `fp16=True` export: float16 between its float32 boundaries.
-        self.float16 = any(
-            elem == FLOAT16 for elem, _ in self.types.values()
-        ) or any(i.data_type == FLOAT16 for i in proto.graph.initializer)
+        # A typed export (`dtype="float16"`): float16 between its float32
+        # boundaries; or bfloat16, whose Q/DQ ONNX Runtime cannot run.
+        self.float16, self.bfloat16 = (
+            any(elem == half for elem, _ in self.types.values())
+            or any(i.data_type == half for i in proto.graph.initializer)
+            for half in (FLOAT16, BFLOAT16)
+        )
+        # float16 keeps a fixed step below its smallest normal number:
+        # errors of smaller values are relative to it (`best_layout`).
+        self.tiny = float(np.finfo(np.float16).tiny) if self.float16 else 0.0
+        self.precision = "float16" if self.float16 else "float32"
+        # The relative resolution of its activations (`qdq_steps`).
+        self.eps = float(
+            np.finfo(np.float16 if self.float16 else np.float32).eps
+        )
         self.groups, self.recurrent = {}, {}
         adopted = _adopted(proto.graph.node)
         for index, node in enumerate(proto.graph.node):

@@ -4,6 +4,8 @@ tensors of its scope, a recurrent op's outputs read as Keras returns
 them, or, for a Q/DQ tf2onnx renamed, its parent's activation
 DequantizeLinears."""
 
+import numpy as np
+
 from keras_mp.onnx.compare_graph import FLOAT_TYPES, fits
 from keras_mp.quantization.layers import QuantizeActivation
 
@@ -129,6 +131,28 @@ def is_qdq(layer):
         and layer.enabled
         and step(layer) > 0
     )
+
+
+def qdq_steps(got, want, quantizer, eps):
+    """The largest difference between ONNX Runtime's (`got`) and Keras'
+    (`want`) outputs of an activation Q/DQ, in codes of its format where
+    the two lie: `|got - want| / (scale * local step)`, the local step at
+    the smaller of the two magnitudes (`NumberFormat.local_step`: 1 on
+    an int grid, so a flip is one step; 32 scales near 448 on FP8 E4M3,
+    where a flip is one code there too). `eps` is the relative
+    resolution of the graph's float type: ONNX Runtime's codes are read
+    up to it (a float16 graph rounds the scale and the output, so its 64
+    may read 63.99), and a step is never taken finer than `qmax * eps`,
+    the rounding a float16 graph's Q reads its input with, which spans
+    many of FP8's codes near 0."""
+    if not want.size:
+        return 0.0
+    scale = step(quantizer)
+    fmt = quantizer.format
+    got, want = got.astype(np.float64), want.astype(np.float64)
+    smaller = np.minimum(np.abs(got), np.abs(want)) * (1 + eps) / scale
+    local = scale * np.maximum(fmt.local_step(smaller), fmt.qmax * eps)
+    return float(np.max(np.abs(got - want) / local))
 
 
 def step(quantizer):

@@ -9,7 +9,7 @@ import numpy as np
 
 from keras_mp import _inputs
 from keras_mp._models import walk_layers
-from keras_mp.quantization.twins import WeightQuantizer
+from keras_mp.quantization.twins import WeightQuantizer, quantizers
 
 NOT_CALLED = "not called when the model runs at inference"
 IN_LOOP = (
@@ -86,7 +86,8 @@ def _recording(layers, calls, fetched, skipped, graph, inject):
     first floating tensor) to `fetched` and a `Call` to `calls`, in the
     order the calls finish (inner layers before the layer holding them);
     `skipped` gets, by layer id, why a call could not be fetched. A call
-    named in `inject` returns that tensor instead of its output."""
+    named in `inject` (name -> (tensor, switch)) returns that tensor
+    instead of its output where its boolean switch is on."""
     import keras
     import tensorflow as tf
 
@@ -111,7 +112,10 @@ def _recording(layers, calls, fetched, skipped, graph, inject):
             count[id(layer)] = n = count.get(id(layer), 0) + 1
             name = path if n == 1 else f"{path} (call {n})"
             if name in inject and tf.is_tensor(out):
-                out = floats[0] = tf.cast(inject[name], out.dtype)
+                value, switch = inject[name]
+                out = floats[0] = tf.where(
+                    switch, tf.cast(value, out.dtype), out
+                )
             scope = tf.get_current_name_scope()
             # A recurrent layer's states (`return_state=True`) are rows of
             # their own: the ONNX op holds them apart (Y_h, Y_c).
@@ -157,10 +161,12 @@ def trace(model, specs, inject=()):
     call, and TF uniquifies them in the same order): tf2onnx named the
     ONNX nodes after those ops, which is how a layer finds its tensors.
 
-    `inject`: `(call name, array)` pairs: those calls return an input of
-    the traced function (after the model's inputs, in this order) of the
-    array's shape instead of their output, for `compare_onnx` to feed
-    ONNX Runtime's values of some Q/DQs to the rest of the model.
+    `inject`: `(call name, array)` pairs: the traced function takes, after
+    the model's inputs, one input of each array's shape and dtype (in this
+    order), then a boolean vector with one switch per pair; a call whose
+    switch is on returns that input instead of its output. `compare_onnx`
+    feeds ONNX Runtime's values of some Q/DQs to the rest of the model
+    that way, choosing which per run on one trace.
 
     Returns:
         The traced `tf.function` (its outputs: the fetched tensors), the
@@ -182,6 +188,8 @@ def trace(model, specs, inject=()):
         tf.TensorSpec((None,) + value.shape[1:], value.dtype)
         for _, value in inject
     ]
+    if inject:
+        signature.append(tf.TensorSpec((len(inject),), tf.bool))
 
     @tf.function(input_signature=signature)
     def run(*args):
@@ -189,7 +197,10 @@ def trace(model, specs, inject=()):
         calls.clear()
         graph = tf.compat.v1.get_default_graph()
         inputs, injected = args[: len(specs)], args[len(specs) :]
-        fed = dict(zip(names, injected))
+        fed = {
+            name: (value, injected[-1][i])
+            for i, (name, value) in enumerate(zip(names, injected))
+        }
         with _recording(layers, calls, fetched, skipped, graph, fed):
             model(_inputs.call_arg(model, inputs, specs), training=False)
         return fetched
@@ -204,10 +215,39 @@ def trace(model, specs, inject=()):
     return run, calls, never
 
 
-def keras_values(run, inputs, batch_size=256):
-    """The traced function's outputs on `inputs`, run in batches."""
+@contextlib.contextmanager
+def exported_ranges(model, smallest_scale):
+    """Within the block, every calibrated quantizer of `model` (weights
+    and activations) whose scale (`amax / qmax`, per channel) is below
+    `smallest_scale` quantizes with that scale, as a float16 export
+    writes it (`keras_mp.onnx.subnormal` raises such scales to float16's
+    smallest normal): the grid the graph computes on. The ranges are put
+    back on exit. `smallest_scale` 0 (a float32 graph) changes nothing."""
+    changed = []
+    for found in quantizers(model, "compare_onnx") if smallest_scale else ():
+        quantizer = found.quantizer
+        amax = np.asarray(quantizer.amax.numpy())
+        least = np.float32(smallest_scale) * np.float32(quantizer.format.qmax)
+        raised = np.where(amax > 0, np.maximum(amax, least), amax)
+        if np.any(raised != amax):
+            changed.append((quantizer, amax))
+            quantizer.amax.assign(raised.astype(amax.dtype))
+    try:
+        yield
+    finally:
+        for quantizer, amax in changed:
+            quantizer.amax.assign(amax)
+
+
+def keras_values(run, inputs, batch_size=256, switches=None):
+    """The traced function's outputs on `inputs`, run in batches (with
+    `switches`, the boolean vector of a trace with `inject`, whole)."""
+    fixed = [] if switches is None else [np.asarray(switches, bool)]
     chunks = [
-        [np.asarray(o) for o in run(*[x[i : i + batch_size] for x in inputs])]
+        [
+            np.asarray(o)
+            for o in run(*[x[i : i + batch_size] for x in inputs], *fixed)
+        ]
         for i in range(0, len(inputs[0]), batch_size)
     ]
     return [np.concatenate(c) for c in zip(*chunks)]

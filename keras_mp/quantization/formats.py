@@ -93,6 +93,19 @@ class NumberFormat:
         or one per channel)."""
         return np.asarray(amax, np.float32) / np.float32(self.qmax)
 
+    def local_step(self, grid_values):
+        """The distance between neighbouring codes at each magnitude, in
+        units of the scale (numpy): 1 everywhere on an int grid; on a
+        float grid, the spacing of the codes in the binade of
+        `|grid_values|` (that of the subnormals below the smallest
+        normal), e.g. 32 at 256..448 and 1/512 near 0 for FP8 E4M3."""
+        magnitude = np.abs(np.asarray(grid_values, np.float64))
+        if self.kind == "int":
+            return np.ones_like(magnitude)
+        info = ml_dtypes.finfo(self.storage)
+        exponent = np.floor(np.log2(np.maximum(magnitude, float(info.tiny))))
+        return np.exp2(exponent - info.nmant)
+
     def quantize_dequantize(self, x, amax, axis=None, narrow_range=False):
         """`x` rounded to this format's grid over `[-amax, amax]` (its
         `carrier` while `onnx_trace` is active)."""
