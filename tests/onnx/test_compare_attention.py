@@ -46,9 +46,33 @@ def masked(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def flipping(tmp_path_factory):
-    """The Dense model: on these inputs one attention probability lies on
-    a rounding boundary, and float noise flips it in ONNX Runtime."""
-    return _export(False, tmp_path_factory)
+    """The Dense model, on inputs where one attention probability lies on
+    a rounding boundary and float noise flips it in ONNX Runtime, so that
+    the output is past tolerance end to end. Which inputs do depends on
+    the CPU's kernels (oneDNN or not): they are searched for, among
+    batches of 4 random token sequences."""
+    qmodel, path, x = _export(False, tmp_path_factory)
+
+    def flips(batch):
+        report = keras_mp.compare_onnx(qmodel, path, batch)
+        probs = _row(report, "_attention_probs")
+        output = _row(report, "/attention_output")
+        one_step = probs.steps == pytest.approx(1.0, abs=1e-3)
+        return one_step, one_step and output.rel_l2 > report.max_rel_l2
+
+    if flips(x)[1]:
+        return qmodel, path, x
+    # Flips are rarer on some CPUs (1 batch of 16 in 15 without oneDNN):
+    # find a batch with one, then the quarter of it that holds it.
+    rng = np.random.default_rng(1)
+    for _ in range(60):
+        batch = rng.integers(1, 100, (16, 10)).astype("int32")
+        if not flips(batch)[0]:
+            continue
+        for quarter in np.split(batch, 4):
+            if flips(quarter)[1]:
+                return qmodel, path, quarter
+    pytest.fail("no attention probability flips on 960 random inputs")
 
 
 def _row(report, suffix):
