@@ -221,6 +221,9 @@ class Probe:
         self.changed = {}  # id(layer) -> message when calls differ
         self.tags = {}  # id(tensor) -> ("weight", id(layer)) or ("probs",)
         self.alive = []  # tensors tagged, kept so that ids stay unique
+        # softmax outputs by value: a `keras.layers.Softmax` returns a new
+        # tensor object holding the values `ops.softmax` computed
+        self.softmax_values = set()
 
     def begin(self, layer):
         self.calls[id(layer)] = {}  # where -> occurrences in this call
@@ -232,7 +235,12 @@ class Probe:
     def _tag(self, tensor, tag):
         self.tags[id(tensor)] = tag
         self.alive.append(tensor)
+        if tag == ("probs",):
+            self.softmax_values.add(_fingerprint(tensor))
         return tensor
+
+    def tag_probs(self, tensor):
+        return self._tag(tensor, ("probs",))
 
     def _weight_of(self, x, owner):
         if id(x) in self.variables.get(id(owner), ()):
@@ -266,6 +274,9 @@ class Probe:
             "where": where,
             "occurrence": occurrence,
             "operands": roles,
+            "gemm": sums_over_something(
+                name, args[0] if name == "einsum" else None
+            ),
         }
         known = next(
             (
@@ -293,7 +304,10 @@ class Probe:
             equation = args[0] if name == "einsum" else None
             axes = weight_axes(name, equation, index, shape)
             return {"role": "weight", "axes": list(axes), "shape": shape}
-        if self.tags.get(id(x)) == ("probs",):
+        if (
+            self.tags.get(id(x)) == ("probs",)
+            or _fingerprint(x) in self.softmax_values
+        ):
             return {"role": "probs", "shape": shape}
         if name != "dot_product_attention":
             for s, site in enumerate(sites):
@@ -301,6 +315,27 @@ class Probe:
                     if ref is x and site["operands"][i]["role"] == "input":
                         return {"role": "input", "same": [s, i]}
         return {"role": "input", "shape": shape}
+
+
+def _fingerprint(x):
+    """A tensor's dtype, shape and values, to recognize it again."""
+    v = np.asarray(keras.ops.convert_to_numpy(x))
+    return (str(v.dtype), v.shape, hash(v.tobytes()))
+
+
+def sums_over_something(name, equation):
+    """Whether an op contracts an axis (a GEMM): every matmul and attention
+    does; an einsum whose labels all reach the output (an outer or
+    elementwise product: positions times frequencies in a rotary
+    embedding) does not."""
+    if name != "einsum":
+        return True
+    inputs, arrow, output = equation.replace(" ", "").partition("->")
+    subscripts = inputs.split(",")
+    letters = "".join(subscripts).replace(".", "")
+    if not arrow:
+        output = "".join(c for c in letters if letters.count(c) == 1)
+    return bool(set(letters) - set(output))
 
 
 def _shape_free(site):
@@ -329,15 +364,23 @@ def probe(run, layers):
         return type(cls.__name__, (cls,), {"__call__": __call__})
 
     classes = {}
+    softmax_call = keras.layers.Softmax.call
+
+    def tagged_softmax(self, *args, **kwargs):
+        # the masked softmax of keras' layer: a softmax output too
+        return recorder.tag_probs(softmax_call(self, *args, **kwargs))
+
     try:
         for layer, cls in originals:
             if cls not in classes:
                 classes[cls] = probe_class(cls)
             object.__setattr__(layer, "__class__", classes[cls])
+        keras.layers.Softmax.call = tagged_softmax
         state.probe = recorder
         run()
     finally:
         state.probe = None
+        keras.layers.Softmax.call = softmax_call
         for layer, cls in originals:
             object.__setattr__(layer, "__class__", cls)
     for sites in recorder.sites.values():

@@ -270,6 +270,8 @@ def site_float(site, config):
     roles = [spec["role"] for spec in site["operands"]]
     if not any(roles):
         return "no float operand"
+    if not site.get("gemm", True):
+        return "sums over nothing (an outer or elementwise product): no GEMM"
     for spec in site["operands"]:
         if spec["role"] != "weight":
             continue
