@@ -21,7 +21,8 @@ row's sample of the layer-table conformance test (`SAMPLES` in
 tests/test_layer_table.py), the zoo's fast subset (`QUICK` in
 benchmarks/bench_zoo.py; its INT8 ONNX is the one tests/onnx/test_zoo.py
 measures, shared through `zoo_measured` in tests/conftest.py) and a
-keras-hub BERT classifier (tests/quantization/test_keras_hub.py).
+keras-hub BERT classifier (tests/quantization/test_keras_hub.py) and tiny
+keras-hub Gemma, Llama, Mixtral, DeBERTaV3 and T5 backbones (`HUB`).
 
 The goldens record the placement of the code they were generated on (one
 JSON file per model in `fixtures/golden_placement/`). A change of
@@ -97,6 +98,32 @@ def _bert_classifier(directory, zoo_measured):
     return _export(qmodel, tokens(), os.path.join(directory, "model.onnx"))
 
 
+def _hub_backbone(cls, layers):
+    """A tiny keras-hub backbone of `layers` layers, hidden 16
+    (`benchmarks/hub_models.py`): the attention classes keras_mp reached
+    through hand-written twins, then at their op sites."""
+
+    def make(directory, zoo_measured):
+        from benchmarks import hub_models
+
+        hub_models.keras_hub()
+        keras.utils.set_random_seed(0)
+        model = hub_models.BACKBONES[cls](16, layers)
+        qmodel = keras_mp.quantize_model(model)
+        data = hub_models.inputs_for(model, 16, 0, seq=8)
+        return _export(qmodel, data, os.path.join(directory, "model.onnx"))
+
+    return make
+
+
+HUB = {
+    "GemmaBackbone": 1,
+    "LlamaBackbone": 1,
+    "MixtralBackbone": 1,
+    "DebertaV3Backbone": 2,
+    "T5Backbone": 1,
+}
+
 # Model id (its golden file's name) -> maker of its INT8 ONNX, called with a
 # scratch directory and the `zoo_measured` fixture.
 MODELS = {
@@ -104,6 +131,7 @@ MODELS = {
     **{f"layer_table_{c.__name__}": _layer_table(c) for c in QUANTIZABLE},
     **{f"zoo_{name}": _zoo(name) for name in QUICK},
     "keras_hub_bert_classifier": _bert_classifier,
+    **{f"keras_hub_{c}": _hub_backbone(c, n) for c, n in HUB.items()},
 }
 
 
@@ -296,7 +324,7 @@ def signatures(tmp_path_factory, zoo_measured):
 
 # Exported in the slow step of .ci/run (25 s on 2 cores: over `make test`'s
 # budget); the other zoo models keep the fast golden and lint checks.
-SLOW = {"zoo_MobileNetV3Small"}
+SLOW = {"zoo_MobileNetV3Small", "keras_hub_T5Backbone"}
 
 
 def _param(model_id, marks=()):
