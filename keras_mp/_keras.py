@@ -3,8 +3,9 @@
 Every private attribute, `keras.src` or `tensorflow.python` import that
 keras_mp relies on is here, so a Keras or TensorFlow release that moves one
 breaks this module only, loudly. Read from Keras 3.15.1 and TensorFlow
-2.21.0 (tested there); keras-hub's attention internals are in
-`keras_mp/_keras_hub.py`. `check_versions` warns once on a Keras outside
+2.21.0 (tested there), with the `keras.ops` interception that op-level
+quantization reads (`intercept_ops`, keras-hub 0.32's layers call ops
+through those module attributes). `check_versions` warns once on a Keras outside
 the range below and fails on one that lacks a method keras_mp overrides.
 """
 
@@ -15,9 +16,6 @@ import warnings
 import keras
 from keras.src.models.functional import Functional
 from keras.src.saving.keras_saveable import KerasSaveable
-
-# keras-hub's attention classes: `keras_mp._keras_hub`; `layer_table` still
-# reads this one name here.
 
 # Keras (major, minor) releases whose internals match what is used here.
 VERIFIED_KERAS = ((3, 3), (3, 15))

@@ -16,7 +16,7 @@ import math
 
 import keras
 
-from keras_mp import _keras, _keras_hub
+from keras_mp import _keras
 
 L = keras.layers
 
@@ -149,8 +149,7 @@ _POOL = LayerRow(quantizable=True, permute=CHANNELWISE)
 _ATTENTION = LayerRow(
     inputs=ALL_INPUTS, quantizable=True, weighted=True, attention=True
 )
-# keras-hub's own attention layers (Gemma, Llama, ...; which ones:
-# `_keras_hub.hub_attention_kind`) and Keras' GroupQueryAttention: their
+# Keras' GroupQueryAttention: its
 # projections are EinsumDense rows that quantize their own inputs; the row
 # places the Q/DQ of both attention matmuls. Keras' Attention and
 # AdditiveAttention have no projection: the row places the Q/DQ of their
@@ -294,9 +293,10 @@ def _called_as_attention(cls):
 
 def row_for(layer):
     """The `LayerRow` of `layer`'s type (its closest listed base class), or
-    None when the table does not know the type (a MultiHeadAttention
-    subclass with a call of its own making: its projections are
-    EinsumDense rows, its attention matmuls stay float)."""
+    None when the table does not know the type (a custom layer, keras-hub's
+    attention layers, a MultiHeadAttention subclass with a call of its own
+    making: the GEMMs of their own code are quantized at their op sites,
+    `quantization/op_sites.py`)."""
     for cls in type(layer).__mro__:
         row = TABLE.get(cls)
         if row is not None:
@@ -305,9 +305,6 @@ def row_for(layer):
             ):
                 return None
             return row(layer) if callable(row) else row
-    float_class = getattr(type(layer), "float_class", None) or type(layer)
-    if _keras_hub.hub_attention_kind(float_class):
-        return _HUB_ATTENTION_ROW
     return None
 
 

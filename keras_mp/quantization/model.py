@@ -37,6 +37,8 @@ def quantization_record(model, walked):
             entry["calls"] = layer.quantize_calls
         if getattr(layer, "op_sites", None):
             entry["sites"] = layer.op_sites
+            if getattr(layer, "site_attr", None):
+                entry["quantizer_attr"] = layer.site_attr
         if not layer.enabled:
             entry["enabled"] = False
         off = [k for k, q in layer.named_quantizers().items() if not q.enabled]
@@ -48,7 +50,7 @@ def quantization_record(model, walked):
 
 def apply_quantization_record(model, record, walked):
     """Quantizes the float `model` in place as `record` says."""
-    apply_entries(walked, record["entries"])
+    apply_entries(model, walked, record["entries"])
 
 
 _record.register_section(

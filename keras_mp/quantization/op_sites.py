@@ -276,7 +276,8 @@ class Probe:
             "operands": roles,
             "gemm": sums_over_something(
                 name, args[0] if name == "einsum" else None
-            ),
+            )
+            and not _outer_matmul(name, operands, roles),
         }
         known = next(
             (
@@ -336,6 +337,18 @@ def sums_over_something(name, equation):
     if not arrow:
         output = "".join(c for c in letters if letters.count(c) == 1)
     return bool(set(letters) - set(output))
+
+
+def _outer_matmul(name, operands, roles):
+    """A matmul over an axis of size 1 between tensors none of which is a
+    softmax output: an outer product (a rotary embedding's frequencies
+    times positions, SmolLM3), no GEMM. (An attention's probs @ value sums
+    over the sequence, which is 1 in the probe's call: its probs operand
+    tells it apart.)"""
+    if name != "matmul" or any(r.get("role") == "probs" for r in roles):
+        return False
+    shape = getattr(operands[0], "shape", None)
+    return bool(shape) and len(shape) >= 1 and shape[-1] == 1
 
 
 def _shape_free(site):

@@ -18,7 +18,6 @@ import numpy as np
 from keras_mp import _inputs, _keras, _models
 from keras_mp.quantization import (
     attention,
-    hub_attention,
     keras_attention,
     op_sites,
     placement,
@@ -63,7 +62,6 @@ class Recipe:
 def twin_class(cls, ops_only=False):
     """The quantized twin of layer class `cls`: a subclass of it and of
     `QuantizedLayer` (`QuantizedAttention` for attention layers,
-    `hub_attention`'s twins for keras-hub's own attention layers,
     `keras_attention`'s for Keras' other attention layers, `QuantizedDot`
     for `keras.layers.Dot`); `QuantizedLayer` alone for a layer quantized
     at its op sites only (`ops_only`)."""
@@ -74,11 +72,7 @@ def twin_class(cls, ops_only=False):
     elif issubclass(cls, keras.layers.Dot):
         base = QuantizedDot
     else:
-        base = (
-            keras_attention.twin_base(cls)
-            or hub_attention.twin_base(cls)
-            or QuantizedLayer
-        )
+        base = keras_attention.twin_base(cls) or QuantizedLayer
     return type(
         f"Quantized{cls.__name__}",
         (base, cls),
@@ -99,7 +93,7 @@ def _activation(fmt, config, name, matmul_input=None):
     return q
 
 
-def attach(layer, row, config, inputs, path, calls=1, sites=()):
+def attach(layer, row, config, inputs, path, calls=1, sites=(), site_attr=None):
     """Turns `layer` into its quantized twin, in place.
 
     Args:
@@ -114,6 +108,9 @@ def attach(layer, row, config, inputs, path, calls=1, sites=()):
             (a shared layer: more than one).
         sites: list of dicts. The op sites of the layer's own code
             (`op_sites.probe`), each with a Q/DQ per operand role.
+        site_attr: str or None. The attribute that tracks the sites'
+            quantizers (the saved files' name for them): `op_quantizers`
+            by default.
     """
     fmt, _ = placement.layer_format(layer, config)
     with _keras.unlocked(layer):
@@ -123,7 +120,7 @@ def attach(layer, row, config, inputs, path, calls=1, sites=()):
         weights = row.weights if row is not None else ()
         layer.weight_attrs = [w.attr for w in weights]
         layer.weight_quantizers = []
-        _attach_sites(layer, list(sites), fmt, config)
+        _attach_sites(layer, list(sites), fmt, config, site_attr)
         for weight in weights:
             axes = placement.weight_axes(layer, weight, config)
             q = WeightQuantizer(
@@ -180,13 +177,17 @@ def attach(layer, row, config, inputs, path, calls=1, sites=()):
     layer.update_weight_ranges()
 
 
-def _attach_sites(layer, sites, fmt, config):
+def _attach_sites(layer, sites, fmt, config, site_attr=None):
     """The quantizers of `layer`'s op sites: `op_quantizers` (each once,
     tracked, so saved with the layer) and `op_quantizers_by_site` (`{site
     ordinal: {operand index or "probs": quantizer}}`, an operand that is
     the same tensor as an earlier site's sharing its quantizer)."""
     layer.op_sites = sites
-    layer.op_quantizers = []
+    site_attr = site_attr or "op_quantizers"
+    setattr(layer, site_attr, [])  # tracked: saved with the layer
+    if site_attr != "op_quantizers":
+        object.__setattr__(layer, "op_quantizers", getattr(layer, site_attr))
+        object.__setattr__(layer, "site_attr", site_attr)
     by_site = {}
     for k, site in enumerate(sites):
         if site.get("float"):
@@ -239,13 +240,25 @@ def apply_recipe(model, recipe):
         "Applying a quantization recipe",
         "the quantization recipe",
     )
-    apply_entries(_models.walk(model), recipe.entries)
+    apply_entries(model, _models.walk(model), recipe.entries)
 
 
-def apply_entries(walked, entries):
-    """Turns the layers of `walked` that `entries` (a recipe's, or the
-    record's quantization section's) name into their quantized twins, with
-    the quantizers the entries turn off turned off."""
+# The attribute that held the attention quantizers of the hand-written
+# attention twins of earlier releases (keras-hub's Gemma, Llama, T5,
+# DeBERTaV3, ... attention): their files name the ranges under it.
+LEGACY_ATTENTION_ATTR = "attention_quantizers"
+
+
+def apply_entries(model, walked, entries):
+    """Turns the layers of `walked` (`model`'s) that `entries` (a recipe's,
+    or the record's quantization section's) name into their quantized
+    twins, with the quantizers the entries turn off turned off.
+
+    An entry of an earlier release for a layer that had a hand-written
+    twin and is now reached at its op sites holds no sites: they are found
+    again (`_legacy_sites`), and their quantizers keep the attribute the
+    file names the ranges under."""
+    entries = _legacy_sites(model, walked, entries)
     for entry in entries:
         layer, parents = walked[entry["index"]]
         attach(
@@ -256,12 +269,51 @@ def apply_entries(walked, entries):
             _models.layer_path(layer, parents),
             entry.get("calls", 1),
             entry.get("sites", ()),
+            entry.get("quantizer_attr"),
         )
         if entry.get("enabled", True) is False:
             layer.enabled = False
         named = layer.named_quantizers()
         for key in entry.get("off", ()):
             named[key].enabled = False
+
+
+def _legacy_sites(model, walked, entries):
+    """`entries`, with the op sites of those that have neither a table row
+    nor sites (a hand-written attention twin's, saved by an earlier
+    release) probed again on the rebuilt `model`."""
+    legacy = {
+        e["index"]: e
+        for e in entries
+        if "sites" not in e and quantizable_row(walked[e["index"]][0]) is None
+    }
+    if not legacy:
+        return entries
+    choices = {
+        index: QuantizeConfig.from_config(e["config"])
+        for index, e in legacy.items()
+    }
+    found = {e["index"]: e for e in _site_entries(model, walked, choices)}
+    updated = []
+    for entry in entries:
+        if entry["index"] in legacy:
+            if entry["index"] not in found:
+                layer, parents = walked[entry["index"]]
+                raise ValueError(
+                    f"Layer {_models.layer_path(layer, parents)!r} "
+                    f"({type(layer).__name__}) was quantized by an earlier "
+                    "keras_mp with a hand-written twin, and its code now "
+                    "makes no matmul keras_mp can quantize: this keras-hub "
+                    "release computes it differently. Quantize the float "
+                    "model again with this keras_mp."
+                )
+            entry = {
+                **entry,
+                "sites": found[entry["index"]]["sites"],
+                "quantizer_attr": LEGACY_ATTENTION_ATTR,
+            }
+        updated.append(entry)
+    return updated
 
 
 def _probe_calls(model, layers):

@@ -11,7 +11,7 @@ import keras_mp
 from benchmarks.hub_models import BACKBONES, inputs_for
 from keras_mp import _models
 from keras_mp.onnx.graph import GraphIndex
-from keras_mp.quantization import hub_attention, twins
+from keras_mp.quantization import twins
 from keras_mp.quantization.attention import ATTENTION_MATMUL_INPUTS
 from tests.quantization.test_nested import _fused_attention_chains
 
@@ -200,12 +200,33 @@ def test_cached_attention_gets_the_attention_qdq(tmp_path):
     np.testing.assert_array_equal(loaded(x), got)
 
 
-# One backbone per distinct way keras_mp reaches attention matmuls
+def attention_quantizers(layer):
+    """`{name: quantizer}` of the attention matmul inputs of a quantized
+    attention layer, and the names of its softmax outputs' quantizers:
+    the MultiHeadAttention twin's, or those of the op sites of a layer
+    reached at its ops (keras-hub's own attention classes)."""
+    if getattr(layer, "op_sites", None):
+        found = {k: q for k, q, weight in layer.site_quantizers() if not weight}
+        probs = set()
+        for k, site in enumerate(layer.op_sites):
+            for i, spec in enumerate(site["operands"]):
+                if spec["role"] == "probs":
+                    probs.add(f"{site['op']}_{k}/operand_{i}")
+            if site["op"] == "dot_product_attention":
+                probs.add(f"{site['op']}_{k}/probs")
+        return found, probs
+    names = getattr(layer, "matmul_inputs", ATTENTION_MATMUL_INPUTS)
+    return dict(zip(names, layer.attention_quantizers)), {"probs"}
+
+
+# One backbone per distinct way keras-hub writes attention
 # (docs/keras_hub.md): keras-hub's CachedMultiHeadAttention inside a
-# backbone (GPT-2), the "hooks" kind (Llama; Mistral, Qwen, Phi-3, ...
-# share it), Gemma, T5, DeBERTaV3, T5Gemma. Keras' MultiHeadAttention is
-# BERT and ViT above. Hidden 16, one layer: quantize and calibrate only;
-# their exports are in test_hub_attention.py and benchmarks/bench_hub.py.
+# backbone (GPT-2: the MultiHeadAttention twin), and the classes reached at
+# their op sites: Llama's (Mistral, Qwen, Phi-3, ... share it), Gemma's
+# (query scaled first), T5's (relative position bias), DeBERTaV3's (two
+# position scores), T5Gemma's. Keras' MultiHeadAttention is BERT and ViT
+# above. Hidden 16, one layer: quantize and calibrate only; their exports
+# are in test_hub_attention.py and benchmarks/bench_hub.py.
 ATTENTION_KINDS = {
     "GPT2Backbone": "CachedMultiHeadAttention",
     "LlamaBackbone": "LlamaAttention",
@@ -236,13 +257,11 @@ def test_every_attention_kind_gets_matmul_qdq(name):
     ]
     assert layers and all(twins.is_quantized(a) for a in layers)
     for layer in layers:  # DeBERTaV3: 6, its position query and key too
-        names = getattr(layer, "matmul_inputs", ATTENTION_MATMUL_INPUTS)
-        assert len(layer.attention_quantizers) == len(names) >= 4
-    hub = [a for a in layers if isinstance(a, hub_attention._HubAttention)]
-    assert bool(hub) == (name != "GPT2Backbone")
+        found, probs = attention_quantizers(layer)
+        assert len(found) >= 4 and probs & set(found), sorted(found)
+    op_level = [a for a in layers if getattr(a, "op_sites", None)]
+    assert bool(op_level) == (name != "GPT2Backbone")
     report = keras_mp.calibrate(qmodel, inputs_for(model, 16), verbose=0)
-    probs = [k for k in report.ranges if k.endswith("attention_probs")]
-    assert len(probs) == len(layers)
     assert all(a > 0 for a in report.ranges.values())
     rows = keras_mp.quantization_report(qmodel, verbose=False)
     assert not [r for r in rows if r["note"].startswith("attention matmuls")]
@@ -283,16 +302,17 @@ def test_t5_attention_layer_gets_matmul_qdq(tmp_path):
     inputs = keras.Input((8, 16))
     model = keras.Model(inputs, T5SelfAttention(name="block")(inputs))
     qmodel = keras_mp.quantize_model(model)
-    twins_found = [
+    found = [
         layer
         for layer in _models.walk_layers(qmodel)
-        if isinstance(layer, hub_attention.QuantizedT5Attention)
+        if type(layer).__name__ == "QuantizedT5MultiHeadAttention"
     ]
-    assert len(twins_found) == 1
+    assert len(found) == 1  # reached at its op sites
+    quantizers, probs = attention_quantizers(found[0])
+    assert len(quantizers) >= 4 and probs & set(quantizers)
     x = np.random.default_rng(0).standard_normal((16, 8, 16), "float32")
     report = keras_mp.calibrate(qmodel, x, verbose=0)
-    probs = [k for k in report.ranges if k.endswith("attention_probs")]
-    assert len(probs) == 1 and all(a > 0 for a in report.ranges.values())
+    assert all(a > 0 for a in report.ranges.values())
     got = np.asarray(qmodel(x))
     want = np.asarray(model(x))
     assert 0 < np.linalg.norm(got - want) / np.linalg.norm(want) < 0.1
