@@ -77,6 +77,7 @@ from keras_mp.quantization import (
     quantize_annotate_model,
     quantize_apply,
     quantize_model,
+    register_twin,
     set_quantization_enabled,
     strip_quantization,
     upgrade,

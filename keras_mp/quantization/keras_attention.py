@@ -102,7 +102,7 @@ class QuantizedAdditiveAttention(QuantizedDotProductAttention):
 
 # Float class -> (twin base, the float methods the twin replaces with
 # `_keras_attention`'s copies). Most specific class first.
-_TWINS = (
+TWINS = (
     (
         keras.layers.GroupQueryAttention,  # class GroupedQueryAttention
         QuantizedGroupedQueryAttention,
@@ -130,7 +130,7 @@ def twin_base(cls):
         ValueError: `cls` overrides a method the twin replaces with a copy
             of Keras' (its own attention math would be lost).
     """
-    for float_cls, base, methods in _TWINS:
+    for float_cls, base, methods in TWINS:
         if not issubclass(cls, float_cls):
             continue
         changed = [

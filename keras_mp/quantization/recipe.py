@@ -58,26 +58,88 @@ class Recipe:
         return cls(tuple(config["entries"]), tuple(config["layers"]))
 
 
+# (layer class, twin base), users' first, newest first: `register_twin`.
+_USER_TWINS = []
+_BUILT_IN_TWINS = [
+    (keras.layers.MultiHeadAttention, QuantizedAttention),
+    (keras.layers.Dot, QuantizedDot),
+    *((float_cls, base) for float_cls, base, _ in keras_attention.TWINS),
+]
+
+
+def register_twin(layer_class, twin_class):
+    """Makes `twin_class` the quantized twin base of `layer_class` (and its
+    subclasses), as ModelOpt's `QuantModuleRegistry.register` does.
+
+    Most layers need no twin: their Dense/Conv/EinsumDense sublayers are
+    quantized by the layer table, and the matmuls, einsums and attention
+    calls of their own code at their op sites. A twin is for a layer whose
+    quantized computation is not its float one with Q/DQ on GEMM operands.
+    The twin class derives from `keras_mp.quantization.QuantizedLayer` and
+    overrides what it needs (usually `call`, calling `super().call`); the
+    quantized layer's class becomes `(twin_class, layer_class)`, so the
+    layer keeps its identity, weights and name, and saved models re-apply
+    the twin on load (the twin is registered again by the code that
+    defines it, before loading).
+
+    Args:
+        layer_class: a `keras.layers.Layer` subclass.
+        twin_class: a subclass of `keras_mp.quantization.QuantizedLayer`.
+
+    Raises:
+        TypeError: either class is not of that kind.
+
+    Example:
+
+    >>> class QuantizedMyLayer(keras_mp.quantization.QuantizedLayer):
+    ...     def call(self, x):
+    ...         return super().call(x)  # op sites, plus anything of yours
+    >>> keras_mp.register_twin(MyLayer, QuantizedMyLayer)
+    """
+    if not (
+        isinstance(layer_class, type)
+        and issubclass(layer_class, keras.layers.Layer)
+    ):
+        raise TypeError(
+            "`layer_class` must be a keras.layers.Layer subclass. "
+            f"Received: layer_class={layer_class!r}"
+        )
+    if not (
+        isinstance(twin_class, type) and issubclass(twin_class, QuantizedLayer)
+    ):
+        raise TypeError(
+            "`twin_class` must subclass keras_mp.quantization.QuantizedLayer. "
+            f"Received: twin_class={twin_class!r}"
+        )
+    _USER_TWINS.insert(0, (layer_class, twin_class))
+    twin_class_cache_clear()
+
+
+def _registered(cls, registry):
+    return next((base for c, base in registry if issubclass(cls, c)), None)
+
+
 @functools.cache
 def twin_class(cls, ops_only=False):
     """The quantized twin of layer class `cls`: a subclass of it and of
-    `QuantizedLayer` (`QuantizedAttention` for attention layers,
-    `keras_attention`'s for Keras' other attention layers, `QuantizedDot`
-    for `keras.layers.Dot`); `QuantizedLayer` alone for a layer quantized
-    at its op sites only (`ops_only`)."""
-    if ops_only:
-        base = QuantizedLayer
-    elif issubclass(cls, keras.layers.MultiHeadAttention):
-        base = QuantizedAttention
-    elif issubclass(cls, keras.layers.Dot):
-        base = QuantizedDot
-    else:
-        base = keras_attention.twin_base(cls) or QuantizedLayer
+    its registered twin base (`register_twin`: `QuantizedAttention` for
+    MultiHeadAttention, `keras_attention`'s for Keras' other attention
+    layers, `QuantizedDot` for `keras.layers.Dot`, users' own first), or of
+    `QuantizedLayer`. A layer quantized at its op sites only (`ops_only`:
+    no table row) takes a user's twin or `QuantizedLayer`."""
+    base = _registered(cls, _USER_TWINS)
+    if base is None and not ops_only:
+        base = _registered(cls, _BUILT_IN_TWINS)
+        if base is not None:
+            keras_attention.twin_base(cls)  # refuses overridden math
     return type(
         f"Quantized{cls.__name__}",
-        (base, cls),
+        (base or QuantizedLayer, cls),
         {"float_class": cls, "__module__": __name__},
     )
+
+
+twin_class_cache_clear = twin_class.cache_clear
 
 
 def _activation(fmt, config, name, matmul_input=None):

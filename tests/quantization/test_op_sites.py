@@ -298,3 +298,52 @@ def test_a_changed_op_sequence_names_the_layer():
     qmodel.compile("sgd", "mse")
     with pytest.raises(ValueError, match="'branchy'.*takes another path"):
         qmodel.fit(_data(), np.zeros((16, 8, 4)), verbose=0)
+
+
+@keras.saving.register_keras_serializable(package="test_op_sites")
+class Scaled(keras.layers.Layer):
+    """A custom layer whose quantized form wants more than Q/DQ on GEMM
+    operands: its twin clips the output (a user's own rule)."""
+
+    def build(self, shape):
+        self.w = self.add_weight(shape=(shape[-1], 32), name="w")
+
+    def call(self, x):
+        return ops.matmul(x, self.w)
+
+
+class ClippedScaled(keras_mp.quantization.QuantizedLayer):
+    def call(self, x):
+        return ops.clip(super().call(x), -1.0, 1.0)
+
+
+def test_a_registered_twin_is_used_saved_and_reloaded(tmp_path):
+    keras_mp.register_twin(Scaled, ClippedScaled)
+    try:
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((8, 32))
+        model = keras.Model(inputs, Scaled(name="scaled")(inputs))
+        qmodel = keras_mp.quantize_model(model)
+        keras_mp.calibrate(qmodel, _data(), verbose=0)
+        (layer,) = twins.quantized_layers(qmodel)
+        assert isinstance(layer, ClippedScaled) and isinstance(layer, Scaled)
+        assert "scaled/matmul_0/operand_1" in {
+            q.name for q in twins.quantizers(qmodel)
+        }  # the op sites still work under the user's twin
+        out = np.asarray(qmodel(_data()))
+        assert out.max() <= 1.0 < np.asarray(model(_data())).max()
+        qmodel.save(tmp_path / "q.keras")
+        loaded = keras.saving.load_model(tmp_path / "q.keras", safe_mode=True)
+        np.testing.assert_array_equal(np.asarray(loaded(_data())), out)
+    finally:
+        from keras_mp.quantization import recipe
+
+        recipe._USER_TWINS.clear()
+        recipe.twin_class_cache_clear()
+
+
+def test_register_twin_refuses_what_is_not_a_twin():
+    with pytest.raises(TypeError, match="QuantizedLayer"):
+        keras_mp.register_twin(Scaled, keras.layers.Dense)
+    with pytest.raises(TypeError, match="keras.layers.Layer subclass"):
+        keras_mp.register_twin("Scaled", ClippedScaled)
