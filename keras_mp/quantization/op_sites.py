@@ -374,7 +374,17 @@ def probe(run, layers):
             finally:
                 recorder.end(self)
 
-        return type(cls.__name__, (cls,), {"__call__": __call__})
+        def call(self, *args, **kwargs):
+            # a wrapper calling `layer.call` itself (TimeDistributed)
+            if id(self) in recorder.calls:
+                return cls.call(self, *args, **kwargs)
+            recorder.begin(self)
+            try:
+                return cls.call(self, *args, **kwargs)
+            finally:
+                recorder.end(self)
+
+        return type(cls.__name__, (cls,), {"__call__": __call__, "call": call})
 
     classes = {}
     softmax_call = keras.layers.Softmax.call

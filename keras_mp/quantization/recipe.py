@@ -384,6 +384,7 @@ def _probe_calls(model, layers):
     layers, None for others). None when the model cannot be run so."""
     calls = collections.defaultdict(list)
     probes = {}
+    inside = set()  # layers in their own __call__
 
     def probe_class(cls):
         if cls not in probes:
@@ -395,9 +396,22 @@ def _probe_calls(model, layers):
                     arguments = twins.bind_call(cls, self, args, kwargs)
                     sources = attention.attention_sources(arguments)
                 calls[id(self)].append(sources)
-                return cls.__call__(self, *args, **kwargs)
+                inside.add(id(self))
+                try:
+                    return cls.__call__(self, *args, **kwargs)
+                finally:
+                    inside.discard(id(self))
 
-            probes[cls] = type(cls.__name__, (cls,), {"__call__": __call__})
+            def call(self, *args, **kwargs):
+                # A wrapper calling `layer.call` itself (TimeDistributed,
+                # once per time step): one call, one range for every step.
+                if id(self) not in inside and not calls[id(self)]:
+                    calls[id(self)].append(None)
+                return cls.call(self, *args, **kwargs)
+
+            probes[cls] = type(
+                cls.__name__, (cls,), {"__call__": __call__, "call": call}
+            )
         return probes[cls]
 
     originals = [(layer, type(layer)) for layer in layers]

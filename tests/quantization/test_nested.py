@@ -522,3 +522,35 @@ def test_a_layer_the_model_never_calls_stays_float(tmp_path):
     # goes through
     parity = keras_mp.export_onnx(qmodel, tmp_path / "q.onnx", verify_data=x)
     assert parity.rel_l2 < 1e-4
+
+
+@keras.saving.register_keras_serializable(package=PACKAGE)
+class FrameMatmul(OwnMatmul):
+    def compute_output_shape(self, shape):
+        return (*shape[:-1], 6)
+
+
+def test_layers_inside_time_distributed_are_reached(tmp_path):
+    # TimeDistributed calls its inner layer's `call` once per time step,
+    # never its `__call__`: the only convolution of this model is there.
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4, 12, 12, 3))
+    x = L.TimeDistributed(L.Conv2D(16, 3, activation="relu"), name="td")(inputs)
+    x = L.TimeDistributed(L.GlobalAveragePooling2D())(x)
+    x = L.TimeDistributed(FrameMatmul(name="own"), name="td_own")(x)
+    model = keras.Model(inputs, L.Dense(4)(L.GlobalAveragePooling1D()(x)))
+    data = np.random.default_rng(0).random((8, 4, 12, 12, 3), np.float32)
+    qmodel = keras_mp.quantize_model(model)
+    keras_mp.calibrate(qmodel, data, verbose=0)
+    rows = {r["path"]: r for r in keras_mp.quantization_report(qmodel, False)}
+    assert rows["td/conv2d"]["quantized"] or any(
+        p.startswith("td/") and r["quantized"] for p, r in rows.items()
+    )
+    assert any(
+        p.startswith("td_own/") and r["quantized"] for p, r in rows.items()
+    )
+    path = str(tmp_path / "td.onnx")
+    keras_mp.export_onnx(qmodel, path, verify_data=data)  # ParityError
+    assert keras_mp.check_tensorrt(path).ok
+    report = keras_mp.compare_onnx(qmodel, path, data[:4])
+    assert report.first_divergence is None, str(report)
