@@ -25,6 +25,7 @@ SECTIONS = [
     ("vit", "ViT on Fashion-MNIST (issue 16)"),
     ("sequence", "LSTM and GRU on Fashion-MNIST rows (issue 23)"),
     ("hub", "keras-hub backbones, one row per class (issue 23)"),
+    ("op_sites", "Op-level quantization: layers without a twin (issue 33)"),
     ("typed", "Strongly typed graphs (issue 24)"),
     ("fp8", "FP8 E4M3 beside INT8, and ModelOpt FP8"),
     ("sensitivity", "Layer sensitivity and auto_quantize (issue 25)"),
