@@ -257,3 +257,21 @@ def test_register_twin_refuses_what_is_not_a_twin():
         keras_mp.register_twin(Scaled, keras.layers.Dense)
     with pytest.raises(TypeError, match="keras.layers.Layer subclass"):
         keras_mp.register_twin("Scaled", ClippedScaled)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="compare_onnx matches the experts layer's output to another "
+    "tensor of its shape in the layer's ONNX scope (the router's input "
+    "Reshape): tf2onnx renames the output of the gate-combining einsum "
+    "and the right tensor is not among the candidates; the export itself "
+    "is correct (ONNX Runtime parity 3e-5)",
+)
+def test_compare_onnx_finds_no_divergence_in_the_experts_layer(tmp_path):
+    model = _model("experts")
+    qmodel = keras_mp.quantize_model(model)
+    keras_mp.calibrate(qmodel, _data(), verbose=0)
+    path = str(tmp_path / "experts.onnx")
+    keras_mp.export_onnx(qmodel, path, verify_data=_data())
+    report = keras_mp.compare_onnx(qmodel, path, _data(8))
+    assert report.first_divergence is None, str(report)
