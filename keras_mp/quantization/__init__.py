@@ -17,11 +17,7 @@ from keras_mp.quantization.calibrate import activation_quantizers, calibrate
 from keras_mp.quantization.config import QuantizeConfig
 from keras_mp.quantization.formats import FORMATS, NumberFormat, number_format
 from keras_mp.quantization.layers import QuantizeActivation
-from keras_mp.quantization.legacy import (
-    QuantizeAnnotate,
-    QuantizeWrapper,
-    upgrade,
-)
+from keras_mp.quantization.legacy import QuantizeAnnotate, QuantizeWrapper
 from keras_mp.quantization.model import QuantizedModel
 from keras_mp.quantization.quantizer import TensorQuantizer
 from keras_mp.quantization.recipe import register_twin
@@ -31,3 +27,4 @@ from keras_mp.quantization.twins import (
     QuantizedLayer,
     set_quantization_enabled,
 )
+from keras_mp.quantization.upgrade import upgrade

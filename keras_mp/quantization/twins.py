@@ -20,6 +20,7 @@ import keras
 from keras_mp import _keras, _models, _record
 from keras_mp._switch import Switch
 from keras_mp.quantization import op_sites
+from keras_mp.quantization.legacy import check_current
 from keras_mp.quantization.quantizer import TensorQuantizer
 from keras_mp.quantization.separable import separable_conv
 
@@ -334,8 +335,6 @@ def quantizers(model, caller="keras_mp"):
         ValueError: `model` holds layers saved by an earlier keras_mp
             (`keras_mp.upgrade` converts them).
     """
-    from keras_mp.quantization.legacy import check_current
-
     root = _record.contents(model)
     walked = list(_models.walk_layers(root, with_parents=True))
     check_current(model, caller, [layer for layer, _ in walked])

@@ -1,12 +1,14 @@
 """`keras_mp.RecordedModel`: 2:4 masks of nested layers survive `.keras`
 save/load (the record's sparsity section)."""
 
+import os
 import warnings
 
 import keras
 import numpy as np
 import pytest
 
+import keras_mp
 from keras_mp import RecordedModel, _record
 from keras_mp.sparsity import (
     StructuredSparsity,
@@ -15,6 +17,7 @@ from keras_mp.sparsity import (
 )
 from tests.quantization.test_nested import Block, Net, NoConfig
 from tests.sparsity.conftest import compile_model
+from tests.tolerance import assert_computes_like
 
 L = keras.layers
 
@@ -130,3 +133,24 @@ def test_keras_hub_masks_reload_bit_for_bit(name, count, tmp_path):
         for a, b in zip(want, have):
             np.testing.assert_array_equal(a, b)
     np.testing.assert_array_equal(loaded(inputs), model(inputs))
+
+
+def test_a_sparse_model_file_of_an_earlier_release_loads():
+    # Written by fixtures/make_sparse_model.py with the release before one
+    # record held every kind of state: a `SparseModel` container (load-only
+    # since) around a model whose pruned Dense sits inside a custom layer.
+    from tests.sparsity.fixtures import make_sparse_model as made
+
+    saved = np.load(os.path.join(made.HERE, "sparse_model.npz"))
+    model = keras.saving.load_model(
+        os.path.join(made.HERE, "sparse_model.keras"), safe_mode=True
+    )
+    assert isinstance(model, keras_mp.RecordedModel)
+    inner = model.model.get_layer("block").inner
+    np.testing.assert_array_equal(inner.kernel_constraint.mask, saved["mask"])
+    np.testing.assert_array_equal(inner.kernel, saved["kernel"])
+    assert keras_mp.is_2_4_sparse(inner.kernel.numpy(), 0)
+    # computed on another CPU (float32): tests/tolerance.py
+    assert_computes_like(
+        model.predict(saved["x"], verbose=0), saved["y"], "float32"
+    )
