@@ -76,6 +76,9 @@ class LayerRow:
             layers that quantize their own inputs.
         matmul: bool. A matmul of two activations (`Dot`): both inputs get
             a Q/DQ, unless `QuantizeConfig(dot=False)` keeps it float.
+        op_sites: bool. Quantized at the op calls of its own code
+            (`quantization/op_sites.py`), not by the row's weights and
+            inputs.
     """
 
     weights: tuple = ()
@@ -89,6 +92,7 @@ class LayerRow:
     separable: bool = False
     attention: bool = False
     matmul: bool = False
+    op_sites: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,14 +153,17 @@ _POOL = LayerRow(quantizable=True, permute=CHANNELWISE)
 _ATTENTION = LayerRow(
     inputs=ALL_INPUTS, quantizable=True, weighted=True, attention=True
 )
-# Keras' GroupQueryAttention: its
-# projections are EinsumDense rows that quantize their own inputs; the row
-# places the Q/DQ of both attention matmuls. Keras' Attention and
-# AdditiveAttention have no projection: the row places the Q/DQ of their
-# matmuls (AdditiveAttention: probs @ value only). `weighted`: the output
-# comes from a GEMM (Attention's: probs @ value), as the lint sees it.
-_HUB_ATTENTION_ROW = LayerRow(
-    inputs=NO_INPUTS, quantizable=True, weighted=True, attention=True
+# Keras' GroupQueryAttention, Attention and AdditiveAttention: their
+# attention matmuls are quantized at their op sites (`op_sites`: the
+# matmuls, einsums and `dot_product_attention` of Keras' code), GQA's
+# projections as EinsumDense rows of their own. `weighted`: the output
+# comes from a GEMM (probs @ value), as the lint sees it.
+_OP_SITES_ATTENTION_ROW = LayerRow(
+    inputs=NO_INPUTS,
+    quantizable=True,
+    weighted=True,
+    attention=True,
+    op_sites=True,
 )
 # TensorRT moves the next weighted layer's input Q backwards across a
 # Concatenate into its producers; Q/DQ on its own inputs only add
@@ -236,9 +243,9 @@ TABLE = {
     L.Dense: _conv(prune_axis=0),
     L.EinsumDense: _einsum_row,
     L.MultiHeadAttention: _ATTENTION,
-    L.GroupQueryAttention: _HUB_ATTENTION_ROW,
-    L.Attention: _HUB_ATTENTION_ROW,
-    L.AdditiveAttention: _HUB_ATTENTION_ROW,
+    L.GroupQueryAttention: _OP_SITES_ATTENTION_ROW,
+    L.Attention: _OP_SITES_ATTENTION_ROW,
+    L.AdditiveAttention: _OP_SITES_ATTENTION_ROW,
     L.Add: LayerRow(inputs=SKIP_INPUTS, quantizable=True),
     L.Concatenate: _CONCAT,
     L.Dot: _DOT,

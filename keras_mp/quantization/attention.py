@@ -130,41 +130,6 @@ def matmul_hooks(quantizers, names=ATTENTION_MATMUL_INPUTS):
     }
 
 
-class MatmulAttention(QuantizedLayer):
-    """The base of the twins that fake-quantize the inputs of an attention
-    layer's matmuls through hooks in a copy of its attention code (keras-hub's
-    attention layers, Keras' GroupQueryAttention, Attention,
-    AdditiveAttention).
-
-    State, set by `recipe.attach`: `attention_quantizers`, one
-    `QuantizeActivation` per name of the class's `matmul_inputs` (empty
-    with `QuantizeConfig(attention=False)`, which leaves the layer float).
-    """
-
-    # The inputs of the layer's matmuls of two activations, one quantizer
-    # (and range) each, in the order of `attention_quantizers`.
-    matmul_inputs = ATTENTION_MATMUL_INPUTS
-
-    def used_matmul_inputs(self):
-        """The names of `matmul_inputs` this layer's settings compute."""
-        return self.matmul_inputs
-
-    def named_quantizers(self):
-        used = self.used_matmul_inputs()
-        return {
-            f"attention_{name}": q
-            for name, q in zip(self.matmul_inputs, self.attention_quantizers)
-            if name in used
-        }
-
-    def _quantizing(self):
-        return bool(self.attention_quantizers) and self.enabled
-
-    def _hooks(self):
-        """`{matmul input name: fake-quantize callable}`."""
-        return matmul_hooks(self.attention_quantizers, self.matmul_inputs)
-
-
 def _quantize_like(quantizer, x):
     return _like(quantizer(x), x)
 

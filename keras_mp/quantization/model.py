@@ -24,7 +24,7 @@ def quantization_record(model, walked):
         if not twins.is_quantized(layer):
             continue
         row = quantizable_row(layer)
-        attention = row is not None and row.attention
+        attention = row is not None and row.attention and not row.op_sites
         entry = {
             "index": index,
             "class_name": _models.class_name(layer),

@@ -18,7 +18,6 @@ import numpy as np
 from keras_mp import _inputs, _keras, _models
 from keras_mp.quantization import (
     attention,
-    keras_attention,
     op_sites,
     placement,
     twins,
@@ -63,7 +62,6 @@ _USER_TWINS = []
 _BUILT_IN_TWINS = [
     (keras.layers.MultiHeadAttention, QuantizedAttention),
     (keras.layers.Dot, QuantizedDot),
-    *((float_cls, base) for float_cls, base, _ in keras_attention.TWINS),
 ]
 
 
@@ -123,15 +121,13 @@ def _registered(cls, registry):
 def twin_class(cls, ops_only=False):
     """The quantized twin of layer class `cls`: a subclass of it and of
     its registered twin base (`register_twin`: `QuantizedAttention` for
-    MultiHeadAttention, `keras_attention`'s for Keras' other attention
-    layers, `QuantizedDot` for `keras.layers.Dot`, users' own first), or of
-    `QuantizedLayer`. A layer quantized at its op sites only (`ops_only`:
-    no table row) takes a user's twin or `QuantizedLayer`."""
+    MultiHeadAttention, `QuantizedDot` for `keras.layers.Dot`, users' own
+    first), or of `QuantizedLayer`. A layer quantized at its op sites
+    only (`ops_only`: no table row, or an op-sites row) takes a user's
+    twin or `QuantizedLayer`."""
     base = _registered(cls, _USER_TWINS)
     if base is None and not ops_only:
         base = _registered(cls, _BUILT_IN_TWINS)
-        if base is not None:
-            keras_attention.twin_base(cls)  # refuses overridden math
     return type(
         f"Quantized{cls.__name__}",
         (base or QuantizedLayer, cls),
@@ -179,7 +175,7 @@ def attach(layer, row, config, inputs, path, calls=1, sites=(), site_attr=None):
         layer.quantize_config = config
         layer.quantize_path = path
         layer._quantize_enabled = True
-        weights = row.weights if row is not None else ()
+        weights = () if _at_op_sites(row) else row.weights
         layer.weight_attrs = [w.attr for w in weights]
         layer.weight_quantizers = []
         _attach_sites(layer, list(sites), fmt, config, site_attr)
@@ -190,7 +186,7 @@ def attach(layer, row, config, inputs, path, calls=1, sites=(), site_attr=None):
             )
             q.build(getattr(layer, weight.attr).shape)
             layer.weight_quantizers.append(q)
-        if row is not None and row.attention:
+        if not _at_op_sites(row) and row.attention:
             layer.input_names = list(inputs)
             layer.input_indices = []
             layer.input_quantizers = [
@@ -222,7 +218,7 @@ def attach(layer, row, config, inputs, path, calls=1, sites=(), site_attr=None):
             ]
         layer.inner_quantizers = (
             [_activation(fmt, config, f"{layer.name}_pointwise_input")]
-            if row is not None and row.separable
+            if not _at_op_sites(row) and row.separable
             else []
         )
         layer.quantize_calls = int(calls)
@@ -232,7 +228,7 @@ def attach(layer, row, config, inputs, path, calls=1, sites=(), site_attr=None):
             placement.qdq_role(layer) == "same_scale"
             and not config.learned_range
         )
-    twin = twin_class(type(layer), row is None)
+    twin = twin_class(type(layer), _at_op_sites(row))
     object.__setattr__(layer, "__class__", twin)
     for q in layer.owned_quantizers():
         _models.own(layer, q)
@@ -288,6 +284,12 @@ def _attach_sites(layer, sites, fmt, config, site_attr=None):
         "op_site_index",
         {(s["where"], s["occurrence"]): k for k, s in enumerate(sites)},
     )
+
+
+def _at_op_sites(row):
+    """Whether a layer of table row `row` (None: no row) is quantized at
+    its op sites rather than by its row."""
+    return row is None or row.op_sites
 
 
 def apply_recipe(model, recipe):
@@ -347,7 +349,8 @@ def _legacy_sites(model, walked, entries):
     legacy = {
         e["index"]: e
         for e in entries
-        if "sites" not in e and quantizable_row(walked[e["index"]][0]) is None
+        if "sites" not in e
+        and _at_op_sites(quantizable_row(walked[e["index"]][0]))
     }
     if not legacy:
         return entries
@@ -460,7 +463,11 @@ def make_recipe(structure, choices):
         `Recipe`.
     """
     walked = _models.walk(structure)
-    rows = {i: c for i, c in choices.items() if quantizable_row(walked[i][0])}
+    rows = {
+        i: c
+        for i, c in choices.items()
+        if not _at_op_sites(quantizable_row(walked[i][0]))
+    }
     calls = _probe_calls(structure, [walked[i][0] for i in rows]) or {}
     entries = []
     for index, inputs, count in placement.decide(walked, rows, calls):
