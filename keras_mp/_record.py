@@ -146,7 +146,16 @@ class RecordedModel(keras.Model):
     `get_config` (and `save`, before any file is opened) rebuilds the
     model from that config and applies the record, as loading will, so a
     model that cannot be rebuilt fails at save time with what to do, never
-    at load time with its state missing.
+    at load time with its state missing. It saves to `.keras` only: a
+    `.h5` name is refused.
+
+    Attributes the wrapped model has beyond `keras.Model`'s are forwarded
+    to it: a quantized keras-hub `CausalLM` `generate()`s with its
+    quantized layers (`qmodel.generate(...)` is `qmodel.model.generate(
+    ...)`), and `qmodel.preprocessor` and `qmodel.backbone` are the task's.
+    The methods `keras.Model` itself has (`compile`, `fit`, `predict`,
+    `call`, `save`) are the container's: a task's own `compile()` defaults
+    are reached through `qmodel.model`.
 
     Args:
         model: a built `keras.Model` (a subclassed one needs a
@@ -156,7 +165,8 @@ class RecordedModel(keras.Model):
 
     Raises:
         ValueError: at save time (`get_config`), when `model` cannot be
-            rebuilt from its config as the same model.
+            rebuilt from its config as the same model; `save` to a `.h5`
+            or `.hdf5` name.
 
     Example:
 
@@ -196,6 +206,30 @@ class RecordedModel(keras.Model):
             layer for layer in self.layers if isinstance(layer, keras.Model)
         )
 
+    def __getattr__(self, name):
+        """What the wrapped model offers beyond `keras.Model` (a keras-hub
+        task's `generate`, `preprocessor`, `backbone`): called only when
+        the container has no attribute `name`. Private names are never
+        forwarded (Keras' own lookups of them must fail as before)."""
+        if name.startswith("_") or name in ("model", "layers"):
+            raise AttributeError(
+                f"{type(self).__name__!r} object has no attribute {name!r}"
+            )
+        try:
+            inner = RecordedModel.model.fget(self)
+        except Exception:  # during __init__: no wrapped model yet
+            raise AttributeError(
+                f"{type(self).__name__!r} object has no attribute {name!r}"
+            ) from None
+        try:
+            return getattr(inner, name)
+        except AttributeError:
+            raise AttributeError(
+                f"{type(self).__name__!r} object has no attribute {name!r}, "
+                f"nor has the model it holds ({inner.name!r}, "
+                f"{type(inner).__name__})"
+            ) from None
+
     def float_config(self):
         """The serialized inner model, its keras_mp layers in their float
         classes (as `from_config` rebuilds it before applying the
@@ -226,12 +260,22 @@ class RecordedModel(keras.Model):
         Keras opens `path` before asking for it: on that error `path` is
         left empty. `model.save(path)` leaves any previous file intact.)
         """
-        self.get_config()
         path = (
             os.fspath(filepath)
             if isinstance(filepath, os.PathLike)
             else filepath
         )
+        if isinstance(path, str) and path.lower().endswith((".h5", ".hdf5")):
+            raise ValueError(
+                f"Model {self.name!r} holds keras_mp state, which only the "
+                "`.keras` format saves (a legacy HDF5 file would not load "
+                "without `custom_objects`, nor with its state). Received: "
+                f"filepath={path!r}. Save it as "
+                f"{os.path.splitext(path)[0] + '.keras'!r}, or its weights "
+                "only with `model.save_weights('<name>.weights.h5')`. Nothing "
+                "was written."
+            )
+        self.get_config()
         local = isinstance(path, str) and "://" not in path
         if not (local and path.endswith(".keras")) or (
             not overwrite and os.path.exists(path)

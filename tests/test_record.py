@@ -171,3 +171,49 @@ def test_a_plain_model_records_nothing_but_its_walk():
         warnings.simplefilter("error")
         record = keras_mp.RecordedModel(model).get_config()["record"]
     assert set(record) == {"version", "layers", "paths"}
+
+
+def test_task_methods_of_the_wrapped_model_are_forwarded():
+    """A quantized keras-hub CausalLM generates with its quantized layers;
+    private and unknown names still fail, naming the wrapped model."""
+    keras_hub = pytest.importorskip("keras_hub")
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=32,
+        num_layers=1,
+        num_heads=2,
+        hidden_dim=16,
+        intermediate_dim=32,
+        max_sequence_length=16,
+    )
+    lm = keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+    ids = np.random.default_rng(0).integers(1, 32, (4, 8)).astype("int32")
+    mask = np.ones_like(ids)
+    mask[:, 5:] = 0
+    q = keras_mp.quantize_model(lm)
+    keras_mp.calibrate(q, {"token_ids": ids, "padding_mask": mask}, verbose=0)
+    q.model.compile(sampler="greedy")  # the task's own compile
+    prompt = {"token_ids": ids, "padding_mask": mask.astype(bool)}
+    got = q.generate(prompt, max_length=8, stop_token_ids=None)
+    want = q.model.generate(prompt, max_length=8, stop_token_ids=None)
+    np.testing.assert_array_equal(got["token_ids"], want["token_ids"])
+    np.testing.assert_array_equal(got["token_ids"][:, :5], ids[:, :5])
+    assert q.backbone is q.model.backbone and q.preprocessor is None
+    assert not hasattr(q, "_not_an_attribute")
+    with pytest.raises(AttributeError, match="nor has the model it holds"):
+        q.not_an_attribute  # noqa: B018
+
+
+def test_save_to_h5_is_refused_before_writing(tmp_path):
+    x, _ = _data()
+    q = keras_mp.quantize_model(
+        keras.Sequential([keras.Input((8,)), L.Dense(4, name="fc")])
+    )
+    keras_mp.calibrate(q, x, verbose=0)
+    for name in ("q.h5", "q.HDF5"):
+        with pytest.raises(
+            ValueError,
+            match=r"only the `.keras` format .* Received: filepath='.*q."
+            r"(h5|HDF5)'. Save it as '.*q.keras', or its weights only",
+        ):
+            q.save(tmp_path / name)
+    assert list(tmp_path.iterdir()) == []

@@ -38,19 +38,20 @@ def _check(model, in_place):
             f"Model '{model.name}' is in fixed point already. Pass the float "
             "model to fixed_point_model(), or keep training this one."
         )
-    if in_place:
-        twinned = [
-            layer.name
-            for layer, _ in _models.walk(model)
-            if getattr(type(layer), "float_class", None) is not None
-        ]
-        if twinned:
-            raise ValueError(
-                "fixed_point_model(in_place=True) needs a float model; "
-                f"layer {twinned[0]!r} of '{model.name}' is quantized. Pass "
-                "in_place=False (the copy is float), or strip the "
-                "quantization first (keras_mp.strip_quantization)."
-            )
+    # A quantized layer (a twin of its float class) cannot also run in
+    # fixed point, and a copy of the model would not be float either.
+    twinned = [
+        layer.name
+        for layer, _ in _models.walk(model)
+        if getattr(type(layer), "float_class", None) is not None
+    ]
+    if twinned:
+        raise ValueError(
+            "fixed_point_model() trains a float model in fixed point; "
+            f"model '{model.name}' is quantized (layer {twinned[0]!r}, "
+            f"in_place={in_place}). Pass the float model, or get it back "
+            "with `keras_mp.strip_quantization(model)` first."
+        )
 
 
 def _sample_inputs(model):
@@ -203,7 +204,8 @@ def fixed_point_model(model, seed=None, in_place=False):
     Raises:
         TypeError: `model` is not a Keras 3 model (e.g. a tf_keras one).
         ValueError: `model` is not built, has no trainable weights, is in
-            fixed point already, or cannot be rebuilt from its config.
+            fixed point already, is quantized (`quantize_model`), or
+            cannot be rebuilt from its config.
 
     Example:
 

@@ -20,6 +20,7 @@ from keras_mp.onnx.fold import fold_weight_qdq
 from keras_mp.onnx.islands import MAX_MAGNITUDE, apply_islands
 from keras_mp.onnx.parity import (
     check_parity,
+    check_tolerances,
     flat_outputs,
     output_names,
     verify_inputs,
@@ -62,6 +63,38 @@ def _check_signature(model, what):
             "signature is unknown. Build it with `keras.Input(...)` or call it "
             "once on a batch before exporting."
         )
+
+
+# Model files Keras writes: an ONNX graph under such a name would be taken
+# for one (and `keras.saving.load_model` fails on it).
+_KERAS_SUFFIXES = (".keras", ".h5", ".hdf5")
+
+
+def _check_path(path, overwrite):
+    """`path` as a str, or an ExportError when it cannot take the ONNX
+    file: a directory, a Keras model file's name, an existing file without
+    `overwrite`."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        raise ExportError(
+            f"`path` is a directory; export_onnx writes one file. Received: "
+            f"path={path!r}. Pass a file name in it, e.g. "
+            f"{os.path.join(path, 'model.onnx')!r}. Nothing was written."
+        )
+    if path.lower().endswith(_KERAS_SUFFIXES):
+        stem = os.path.splitext(path)[0]
+        raise ExportError(
+            "export_onnx writes an ONNX graph, not a Keras model file. "
+            f"Received: path={path!r}. Name it {stem + '.onnx'!r}; save the "
+            "Keras model with `model.save('model.keras')`. Nothing was "
+            "written."
+        )
+    if os.path.exists(path) and not overwrite:
+        raise ExportError(
+            f"{path} exists. Pass overwrite=True (CLI: --overwrite) to "
+            "replace it."
+        )
+    return path
 
 
 def _check_exportable(model):
@@ -183,11 +216,15 @@ def export_onnx(
             Runtime with Keras on it, output by output (see `verify_onnx`),
             before the file lands.
         overwrite: bool. Replace an existing file. Defaults to False.
-        min_top1_agreement: float. Parity tolerance. Defaults to 0.999,
-            or 0.99 with a 16-bit `dtype`.
-        max_rel_l2: float. Parity tolerance. Defaults to 0.01, or 0.05 with
-            a 16-bit `dtype` (float16 arithmetic and float16 scales move
-            the logits by about 1% against the float32 Keras model).
+        min_top1_agreement: float in [0, 1]. Parity tolerance: the
+            fraction of top-1 predictions that must agree, near-ties (a
+            Keras top-1 margin within the graph type's expected error) not
+            counted (see `verify_onnx`). Defaults to 0.999, or 0.99 with a
+            16-bit `dtype`.
+        max_rel_l2: float, positive. Parity tolerance. Defaults to 0.01, or
+            0.05 with a 16-bit `dtype` (float16 arithmetic and float16
+            scales move the logits by about 1% against the float32 Keras
+            model).
         fp16: bool. Alias of `dtype="float16"`. Defaults to False.
         allow_lint_violations: bool. For a model keras_mp quantized
             (`quantize_model`), a graph that breaks the TensorRT contract
@@ -227,8 +264,11 @@ def export_onnx(
         `ParityReport` when `verify_data` was given, else None.
 
     Raises:
+        ValueError: `min_top1_agreement` outside [0, 1] or `max_rel_l2`
+            not positive and finite.
         ExportError: not exportable (never called, uncalibrated ranges,
-            opset < 13, existing file without `overwrite`, an op tf2onnx
+            opset < 13, existing file without `overwrite`, `path` a
+            directory or a `.keras`/`.h5` name, an op tf2onnx
             cannot convert, `verify_data` that does not fit the inputs, a
             TensorRT contract violation in a graph keras_mp quantized; a
             `dtype` other than float32, float16 or bfloat16, or `fp16=True`
@@ -262,12 +302,12 @@ def export_onnx(
             f"{onnx_fp16.MIN_OPSET}. Received: opset={opset}. Pass "
             f"opset={onnx_fp16.MIN_OPSET}."
         )
-    path = os.fspath(path)
-    if os.path.exists(path) and not overwrite:
-        raise ExportError(
-            f"{path} exists. Pass overwrite=True (CLI: --overwrite) to "
-            "replace it."
-        )
+    if max_rel_l2 is None:
+        max_rel_l2 = 0.05 if dtype else 0.01
+    if min_top1_agreement is None:
+        min_top1_agreement = 0.99 if dtype else 0.999
+    check_tolerances(min_top1_agreement, max_rel_l2)
+    path = _check_path(path, overwrite)
     _check_exportable(model)
     if verify_data is not None:
         verify_data = verify_inputs(model, verify_data)
@@ -299,10 +339,6 @@ def export_onnx(
         opset=min(opset, _TF2ONNX_MAX_OPSET),
         inputs_as_nchw=inputs_as_nchw,
     )
-    if max_rel_l2 is None:
-        max_rel_l2 = 0.05 if dtype else 0.01
-    if min_top1_agreement is None:
-        min_top1_agreement = 0.99 if dtype else 0.999
     if needed:  # FP8 Q/DQ exist from opset 19: retype, then fold
         proto = onnx_fp16.convert_version(proto, opset)
         retype.retype_carriers(proto, traced)

@@ -98,7 +98,9 @@ def layer_sensitivity(
 
     Raises:
         ValueError: an unknown precision, labels whose length is not the
-            data's, labels with a dataset, a model with nothing to
+            data's, labels with a dataset, labels that do not fit the
+            classes of a one-output classifier (checked without a custom
+            `loss`), a model with nothing to
             quantize, empty data, or a score that is not finite (the
             layer is named).
 
@@ -186,6 +188,8 @@ def score_layers(
         _inputs.batches(data, specs, caller, batch_size, num_batches, labels)
     )
     with_labels = [y is not None for _, y in batches]
+    if loss is None and all(with_labels):
+        _check_labels(model, [y for _, y in batches], caller)
     if metric is not None and loss is not None:
         raise ValueError(
             f"`{caller}`: pass a `metric` (scores are its drop) or a `loss` "
@@ -292,6 +296,47 @@ def score_layers(
         time.perf_counter() - start,
     )
     return report, qmodels
+
+
+def _check_labels(model, labels, caller):
+    """A ValueError before any copy is quantized when class labels do not
+    fit the classes of `model`'s one output (its last axis): a class index
+    outside it, or one-hot rows of another width. Other outputs (one
+    column, several outputs, unknown shapes) are not checked."""
+    try:
+        outputs = model.outputs or []
+    except (AttributeError, ValueError):  # subclassed: no symbolic outputs
+        return
+    if len(outputs) != 1 or len(outputs[0].shape) < 2:
+        return
+    classes = outputs[0].shape[-1]
+    if classes is None or classes < 2:
+        return
+    out = tuple(outputs[0].shape[1:])
+    shape = np.asarray(labels[0]).shape[1:]
+    y = np.concatenate([np.asarray(b).reshape(len(b), -1) for b in labels])
+    # class indices: one per row of the output, or a trailing axis of 1
+    sparse = len(shape) == len(out) - 1 or (
+        len(shape) == len(out) and shape[-1] == 1
+    )
+    if sparse and y.dtype.kind in "iub":
+        if y.min() < 0 or y.max() >= classes:
+            raise ValueError(
+                f"`{caller}`: the labels are class indices from {y.min()} to "
+                f"{y.max()}, but model {model.name!r} has {classes} classes "
+                f"(its output's last axis, shape {tuple(outputs[0].shape)}). "
+                f"Pass labels in 0..{classes - 1}, for this model's output."
+            )
+        return
+    if not sparse and len(shape) == len(out) and shape[-1] == classes:
+        return  # one-hot or probability rows
+    raise ValueError(
+        f"`{caller}`: labels of shape {(None, *shape)} and dtype {y.dtype} "
+        f"do not fit the {classes} classes of model {model.name!r} (output "
+        f"shape {tuple(outputs[0].shape)}). Pass integer class indices in "
+        f"0..{classes - 1}, or one-hot rows of {classes}; or a `loss` that "
+        "takes these labels."
+    )
 
 
 def coupled_units(qmodel):

@@ -103,9 +103,14 @@ def calibrate(
 
     Raises:
         ValueError: unknown method, a model with nothing to calibrate or
-            never called, empty or wrongly shaped data, a dict missing an
-            input or with an extra key, float data for an integer input,
-            or NaN/Inf met at a quantizer (named).
+            never called, empty or wrongly shaped data, an infinite
+            `tf.data.Dataset` (`repeat()`) without `num_batches`, a dict
+            missing an input or with an extra key, float data for an
+            integer input, or NaN/Inf met at a quantizer (named).
+
+    Integer images (uint8 pixels) for a float input of a model without a
+    `Rescaling` or `Normalization` layer get a `UserWarning`: the ranges
+    will fit 0..255, not the scaled values the model was trained on.
 
     Example:
 
@@ -133,6 +138,8 @@ def calibrate(
         raise ValueError(
             f"`percentile` must be in (0, 100]. Received: {percentile}"
         )
+    specs = _inputs.input_specs(model, "calibrate")
+    _check_data(model, data, specs, num_batches)
     quantizers = activation_quantizers(model, "calibrate")
     fixed = [n for n, q in quantizers.items() if q.fixed_range is not None]
     if not quantizers:
@@ -152,7 +159,6 @@ def calibrate(
     progbar = keras.utils.Progbar(
         num_batches, verbose=verbose, unit_name="batch"
     )
-    specs = _inputs.input_specs(model, "calibrate")
     try:
         for batch, _ in _inputs.batches(
             data, specs, "calibrate", batch_size, num_batches
@@ -211,6 +217,79 @@ def calibrate(
     return CalibrationReport(
         method, batches, samples, ranges, observed, collapsed, chosen, saturated
     )
+
+
+def _check_data(model, data, specs, num_batches):
+    """Before anything runs: a ValueError for an endless `tf.data.Dataset`
+    without `num_batches`; a warning for integer images given to a float
+    input of a model that does not rescale them itself."""
+    import tensorflow as tf
+
+    if isinstance(data, tf.data.Dataset):
+        if num_batches is None and (
+            int(data.cardinality()) == int(tf.data.INFINITE_CARDINALITY)
+        ):
+            raise ValueError(
+                "`calibrate` data is an infinite tf.data.Dataset (`repeat()` "
+                "without a count), and `num_batches` is None: calibration "
+                "would never end. Pass `num_batches=` (e.g. 32), or "
+                "`data.take(n)`. Received: data with cardinality "
+                "INFINITE, num_batches=None"
+            )
+        element = data.element_spec
+        if isinstance(element, tuple) and len(element) == 2:  # (x, y)
+            element = element[0]
+        given = [
+            (e.dtype.name, len(e.shape), None)
+            for e in _by_input(element, specs)
+            if isinstance(e, tf.TensorSpec)
+        ]
+    else:
+        given = [
+            (x.dtype.name, x.ndim, x)
+            for x in _by_input(data, specs)
+            if isinstance(x, np.ndarray)
+        ]
+    if specs is None or len(given) != len(specs):
+        return
+    # integer images (a batch axis and 2 or 3 more) for a float input
+    suspect = [
+        (spec, dtype, x)
+        for spec, (dtype, ndim, x) in zip(specs, given)
+        if np.dtype(spec.dtype).kind == "f"
+        and np.dtype(dtype).kind in "iu"
+        and ndim >= 3
+        and (x is None or (x.size and x.max() > 1))
+    ]
+    if not suspect or any(
+        isinstance(layer, (keras.layers.Rescaling, keras.layers.Normalization))
+        for layer in _models.walk_layers(model)
+    ):
+        return
+    spec, dtype, x = suspect[0]
+    seen = f", max {x.max()}" if x is not None else ""
+    warnings.warn(
+        f"calibrate: input {spec.name!r} of model {model.name!r} is "
+        f"{spec.dtype}, but the data for it is {dtype}{seen}, and the model "
+        "has no Rescaling or Normalization layer: the ranges will fit raw "
+        "integer values (0..255 for pixels). If the model was trained on "
+        "scaled inputs (e.g. `x / 255`), calibrate on data scaled the same "
+        "way; if it takes raw values, ignore this.",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
+def _by_input(element, specs):
+    """The parts of one data element for each of `specs` (a dict by input
+    name, a list or tuple in order, else the element itself), or []."""
+    if specs is None:
+        return []
+    if isinstance(element, dict):
+        return [element.get(s.name) for s in specs]
+    if isinstance(element, (list, tuple)):
+        return list(element)
+    return [element]
 
 
 def _warn_saturation(method, saturated, ranges, observed):

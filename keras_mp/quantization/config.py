@@ -12,6 +12,35 @@ import keras
 # The precisions a layer can be quantized to: the `FORMATS` rows TensorRT
 # runs (int8 stands for the int rows of `num_bits`).
 PRECISIONS = ("int8", "fp8")
+# Other names of those precisions, lowercase: FP8 is E4M3 (TensorRT's FP8
+# Q/DQ, the ONNX FLOAT8E4M3FN zero point).
+_ALIASES = {
+    "e4m3": "fp8",
+    "e4m3fn": "fp8",
+    "fp8_e4m3": "fp8",
+    "float8_e4m3fn": "fp8",
+}
+
+
+def precision_name(precision):
+    """The name in `PRECISIONS` of `precision`, given in any case or as an
+    alias (`"INT8"`, `"FP8"`, `"e4m3"`, `"float8_e4m3fn"`).
+
+    Raises:
+        ValueError: not a name of a precision keras_mp quantizes to (the
+            message lists them).
+    """
+    if isinstance(precision, str):
+        key = precision.strip().lower()
+        key = _ALIASES.get(key, key)
+        if key in PRECISIONS:
+            return key
+    raise ValueError(
+        f"`precision` must be one of {list(PRECISIONS)} (any case; FP8 is "
+        f"E4M3, also named {', '.join(repr(a) for a in _ALIASES)}; fewer "
+        "int bits: precision='int8' with num_bits). Received: "
+        f"precision={precision!r}"
+    )
 
 
 @keras.saving.register_keras_serializable(package="keras_mp")
@@ -23,7 +52,9 @@ class QuantizeConfig:
         skip: bool. Leave the layer in float. Defaults to False.
         precision: str. `"int8"` or `"fp8"` (FP8 E4M3, TensorRT on Ada,
             Hopper and newer): the number format of the layer's weights and
-            inputs, a row of `keras_mp.quantization.FORMATS`. Where
+            inputs, a row of `keras_mp.quantization.FORMATS`. Any case is
+            accepted, and `"e4m3"` for `"fp8"` (`precision_name`); the
+            config keeps the lowercase name. Where
             TensorRT has no FP8 kernel (convolutions with 16 channels or
             fewer in or out, or a filter of more than 32 taps) the layer
             takes INT8 and `quantization_report` says so. Defaults to
@@ -84,11 +115,7 @@ class QuantizeConfig:
                 "`num_bits` must be an integer in [2, 8] (TensorRT runs 8). "
                 f"Received: num_bits={self.num_bits!r}"
             )
-        if self.precision not in PRECISIONS:
-            raise ValueError(
-                f"`precision` must be one of {list(PRECISIONS)}. Received: "
-                f"precision={self.precision!r}"
-            )
+        self.precision = precision_name(self.precision)
         if self.precision != "int8" and self.num_bits != 8:
             raise ValueError(
                 f"`num_bits` is for int precisions; precision="

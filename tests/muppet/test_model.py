@@ -160,6 +160,24 @@ def test_models_it_cannot_copy_say_what_to_do(make, error, match):
         fixed_point_model(make())
 
 
+@pytest.mark.parametrize("in_place", [False, True])
+def test_quantized_model_is_refused_naming_the_float_model(in_place):
+    """It used to fail in the copy, about `get_config()`."""
+    import keras_mp
+
+    q = keras_mp.quantize_model(small_cnn())
+    before = [type(layer) for layer in q.model.layers]
+    with pytest.raises(
+        ValueError,
+        match=r"trains a float model in fixed point; model '.*' is "
+        r"quantized \(layer 'conv2d(_\d+)?', in_place=(True|False)\).*"
+        r"keras_mp.strip_quantization\(model\)",
+    ):
+        fixed_point_model(q, in_place=in_place)
+    assert [type(layer) for layer in q.model.layers] == before
+    assert not list(fixed_point_layers(q))
+
+
 def test_set_word_length_rejects_a_bad_width():
     model = compiled_fixed_point()
     with pytest.raises(ValueError, match=r"2\.\.32, or None for float32"):

@@ -138,10 +138,16 @@ def test_bad_exports_leave_nothing_half_written(tmp_path):
         r"\(CLI: --overwrite\)",
     ):
         keras_mp.export_onnx(qmodel, path)
-    # a parity failure (impossible tolerance) leaves the previous file
+    # a parity failure (a tolerance the float16 arithmetic of a float
+    # model's graph exceeds) leaves the previous file
     with pytest.raises(keras_mp.ParityError, match="Tolerance"):
         keras_mp.export_onnx(
-            qmodel, path, verify_data=x, overwrite=True, max_rel_l2=-1.0
+            small_cnn(),
+            path,
+            verify_data=x,
+            overwrite=True,
+            dtype="float16",
+            max_rel_l2=1e-9,
         )
     assert path.read_bytes() == b"previous"
     assert os.listdir(tmp_path) == ["q.onnx"]
@@ -408,3 +414,26 @@ def test_dynamic_length_a_layer_needs_fixed_gets_a_clear_error(tmp_path):
     fixed = keras.Input((5, 3), name="steps")
     keras_mp.export_onnx(keras.Model(fixed, model(fixed)), path, verify_data=x)
     assert path.exists()
+
+
+@pytest.mark.parametrize(
+    "name, match",
+    [
+        ("folder", r"`path` is a directory.* e.g. '.*folder/model.onnx'"),
+        ("m.keras", r"not a Keras model file. .* Name it '.*m.onnx'"),
+        ("m.h5", r"path='.*m.h5'.* Name it '.*m.onnx'"),
+    ],
+    ids=["directory", "keras", "h5"],
+)
+def test_path_that_cannot_take_the_graph_is_refused_first(
+    tmp_path, name, match
+):
+    """Checked before anything else: an uncalibrated model would otherwise
+    fail first, and a directory used to fail after the conversion."""
+    (tmp_path / "folder").mkdir()
+    qmodel = keras_mp.quantize_model(small_cnn())
+    for overwrite in (False, True):
+        with pytest.raises(keras_mp.ExportError, match=match):
+            keras_mp.export_onnx(qmodel, tmp_path / name, overwrite=overwrite)
+    assert os.listdir(tmp_path) == ["folder"]
+    assert os.listdir(tmp_path / "folder") == []

@@ -3,6 +3,7 @@
 
 import os
 
+import keras
 import numpy as np
 import pytest
 
@@ -85,3 +86,61 @@ def test_onnx_runtime_failure_is_an_export_error_with_guidance(tmp_path):
     assert "ONNX Runtime could not load" in message
     assert "bfloat16" in message and "mixed_precision_audit" in message
     assert type(caught.value.__cause__).__module__.startswith("onnxruntime")
+
+
+def _near_tie_model():
+    """Two logits `x` and `x * (1 + 2**-12)`: class 1 wins in float32 by a
+    margin of 2.4e-4 of the logit, which float16 weights (ulp 2**-10 at 1)
+    round away, so a float16 graph computes a tie and picks class 0."""
+    inputs = keras.Input((1,))
+    pair = keras.layers.Dense(2, use_bias=False, name="pair")
+    x = pair(inputs)
+    pair.kernel.assign([[1.0, 1.0 + 2.0**-12]])
+    return keras.Model(inputs, keras.layers.Activation("linear")(x))
+
+
+def test_near_ties_are_not_counted_in_top1_agreement(tmp_path):
+    """A float16 graph's rounding flips predictions whose margin is within
+    its expected error; they are counted as near-ties, not disagreements,
+    while a float32 graph is judged on every prediction."""
+    model = _near_tie_model()
+    x = 1.0 + np.random.default_rng(0).random((16, 1), dtype=np.float32)
+    report = keras_mp.export_onnx(
+        model, tmp_path / "h.onnx", dtype="float16", verify_data=x
+    )
+    assert report.near_ties == 16 and report.top1_agreement == 1.0
+    assert "16 near-tie prediction(s) not counted" in str(report)
+    assert "float16 graph's expected error" in str(report)
+    report = keras_mp.export_onnx(model, tmp_path / "f.onnx", verify_data=x)
+    assert report.near_ties == 0 and report.top1_agreement == 1.0
+    assert "near-tie" not in str(report)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (
+            {"min_top1_agreement": 99.9},
+            r"in \[0, 1\] \(a percentage\? pass 0.999\). Received: "
+            r"min_top1_agreement=99.9",
+        ),
+        ({"min_top1_agreement": -0.1}, "min_top1_agreement=-0.1"),
+        ({"min_top1_agreement": "0.99"}, "min_top1_agreement='0.99'"),
+        ({"max_rel_l2": 0.0}, "positive finite number .* max_rel_l2=0.0"),
+        ({"max_rel_l2": -1}, "max_rel_l2=-1"),
+        ({"max_rel_l2": float("nan")}, "max_rel_l2=nan"),
+    ],
+    ids=["percent", "negative", "string", "zero_l2", "negative_l2", "nan"],
+)
+def test_tolerance_outside_its_range_is_a_value_error(
+    exported, tmp_path, kwargs, match
+):
+    model, path = exported
+    x = np.zeros((2, 28, 28, 1), np.float32)
+    with pytest.raises(ValueError, match=match):
+        keras_mp.verify_onnx(model, path, x, **kwargs)
+    with pytest.raises(ValueError, match=match):
+        keras_mp.export_onnx(
+            model, tmp_path / "t.onnx", verify_data=x, **kwargs
+        )
+    assert os.listdir(tmp_path) == []

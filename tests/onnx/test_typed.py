@@ -302,3 +302,25 @@ def test_bfloat16_graph_structure(encoder, tmp_path):
     assert typed.dtype == "bfloat16" and typed.measured_samples == 16
     _check_casts_at_boundaries(proto, {e.node for e in typed.float32_nodes})
     assert {v.type.tensor_type.elem_type for v in proto.graph.input} == {FLOAT}
+
+
+class _PerBatch(keras.layers.Layer):
+    """Divides by the batch size: a 0-d float tensor (a Cast of a dynamic
+    shape) in the graph, as a causal mask's scalar is."""
+
+    def call(self, x):
+        return x / keras.ops.cast(keras.ops.shape(x)[0], x.dtype)
+
+
+def test_zero_dimensional_tensor_is_measured(tmp_path):
+    """The magnitude probe exposes every float tensor, 0-d ones included,
+    and measures them over several batches."""
+    inputs = keras.Input((8,))
+    x = _PerBatch()(keras.layers.Dense(8)(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(4)(x))
+    data = np.random.default_rng(0).random((40, 8), dtype=np.float32)
+    report = keras_mp.export_onnx(
+        model, tmp_path / "z.onnx", dtype="float16", verify_data=data
+    )
+    assert report.typed.measured_samples == 40
+    assert report.rel_l2 < 0.05

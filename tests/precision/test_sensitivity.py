@@ -276,6 +276,40 @@ def test_bad_input(trained):
         keras_mp.layer_sensitivity(only_norm, np.ones((8, 4), "float32"))
 
 
+@pytest.mark.parametrize(
+    "labels, match",
+    [
+        (
+            np.arange(32) % 12,
+            r"class indices from 0 to 11, but model '.*' has 10 classes "
+            r"\(its output's last axis, shape \(None, 10\)\). Pass labels "
+            r"in 0..9",
+        ),
+        (
+            -np.ones(32, "int64"),
+            r"class indices from -1 to -1, but model .* has 10 classes",
+        ),
+        (
+            np.eye(12, dtype="float32")[np.arange(32) % 12],
+            r"labels of shape \(None, 12\) and dtype float32 do not fit the "
+            r"10 classes .* one-hot rows of 10; or a `loss`",
+        ),
+        (np.arange(32) % 10 * 1.0, r"labels of shape \(None,\) and dtype"),
+    ],
+    ids=["index_past_the_classes", "negative", "one_hot_12", "float_indices"],
+)
+def test_labels_that_do_not_fit_the_classes_are_refused(labels, match):
+    """Before any copy is quantized (a TensorFlow error deep inside the
+    loss, or a silent broadcast, before)."""
+    model = _mlp()
+    x = np.random.default_rng(0).random((32, 8, 8, 1), dtype=np.float32)
+    with pytest.raises(ValueError, match=match):
+        keras_mp.layer_sensitivity(model, x, labels, verbose=0)
+    dataset = tf.data.Dataset.from_tensor_slices((x, labels)).batch(16)
+    with pytest.raises(ValueError, match=match):
+        keras_mp.layer_sensitivity(model, dataset, verbose=0)
+
+
 def test_dataset_labels_give_the_gradient_score(trained):
     models, x, y = trained
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(64)

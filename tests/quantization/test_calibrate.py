@@ -1,6 +1,9 @@
 """`calibrate`: ranges from arrays, datasets and generators, per bit width,
 and the errors for bad models and data."""
 
+import warnings
+
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -8,7 +11,7 @@ import tensorflow as tf
 import keras_mp
 from keras_mp.reference import compile_classifier, reference_cnn
 from tests.conftest import small_cnn
-from tests.quantization.conftest import cnn, images
+from tests.quantization.conftest import SHAPE, cnn, images
 
 
 def test_calibrate_reports_every_quantizer(digits):
@@ -211,6 +214,12 @@ BAD = {
         ValueError,
         "`num_batches` must be a positive integer.*Received: 0",
     ),
+    "calibrate_infinite_dataset": (
+        _calibrate(tf.data.Dataset.from_tensor_slices(X).batch(8).repeat()),
+        ValueError,
+        r"infinite tf.data.Dataset \(`repeat\(\)` without a count\), and "
+        r"`num_batches` is None.*Pass `num_batches=`",
+    ),
 }
 
 
@@ -226,3 +235,43 @@ def test_a_failed_calibration_leaves_the_model_usable(quantized):
     with pytest.raises(ValueError):
         _calibrate(np.where(X > 0.999, np.nan, X))(quantized)
     np.testing.assert_array_equal(quantized(X), before)
+
+
+def test_infinite_dataset_with_num_batches_calibrates(quantized):
+    endless = tf.data.Dataset.from_tensor_slices(X).batch(8).repeat()
+    report = keras_mp.calibrate(quantized, endless, num_batches=3, verbose=0)
+    assert report.batches == 3 and report.samples == 24
+
+
+PIXELS = (X * 255).astype("uint8")
+
+
+@pytest.mark.parametrize(
+    "data",
+    [PIXELS, tf.data.Dataset.from_tensor_slices((PIXELS, PIXELS[:, 0, 0, 0]))],
+    ids=["array", "dataset_with_labels"],
+)
+def test_integer_images_for_a_float_input_warn(quantized, data):
+    """A warning, not an error: the model may take raw pixels."""
+    with pytest.warns(
+        UserWarning,
+        match=r"input 'input_0' of model 'q' is float32, but the "
+        r"data for it is uint8.*the ranges will fit raw integer values "
+        r"\(0..255",
+    ):
+        report = keras_mp.calibrate(
+            quantized,
+            data.batch(8) if hasattr(data, "batch") else data,
+            verbose=0,
+        )
+    assert report.observed_max["conv/input_0"] == 254
+
+
+def test_integer_images_are_fine_for_a_model_that_rescales_them():
+    model = keras.Sequential(
+        [keras.Input(SHAPE), keras.layers.Rescaling(1 / 255), *cnn().layers]
+    )
+    q = keras_mp.quantize_model(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        keras_mp.calibrate(q, PIXELS, verbose=0)
