@@ -15,6 +15,7 @@ import keras_mp
 from benchmarks import hub_models
 from keras_mp import _models
 from keras_mp.onnx.graph import LAYOUT_OPS, GraphIndex
+from keras_mp.quantization import twins
 from tests.tolerance import assert_computes_like
 
 keras_hub = pytest.importorskip("keras_hub")
@@ -398,3 +399,29 @@ def test_a_file_saved_with_the_hand_written_twin_loads_the_same():
     # computed on another CPU: float32 with 8-bit fake quant
     assert_computes_like(got, saved["y"], "float32", quantized=True)
     assert not np.allclose(got, saved["float_y"], atol=1e-3)  # not float
+
+
+def test_a_quantized_causal_lm_generates_through_its_cache():
+    # generate() runs the attention's cached path (call_with_cache): the
+    # same op sites as the probe's call, greedy tokens as the float model's
+    keras.utils.set_random_seed(0)
+    lm = keras_hub.models.LlamaCausalLM(
+        backbone=BACKBONES["llama"](), preprocessor=None
+    )
+    data = tokens(lm.backbone, 8)
+    qlm = keras_mp.quantize_model(lm)
+    keras_mp.calibrate(qlm, data, verbose=0)
+    names = {q.name for q in twins.quantizers(qlm)}
+    assert any("/einsum_1/operand_0" in n for n in names), names  # probs
+    prompt = {
+        "token_ids": np.pad(data["token_ids"][:2, :3], ((0, 0), (0, 5))),
+        "padding_mask": np.pad(np.ones((2, 3), "int32"), ((0, 0), (0, 5))),
+    }
+    lm.compile(sampler="greedy")
+    qlm.model.compile(sampler="greedy")
+    want = lm.generate(prompt, stop_token_ids=None)["token_ids"]
+    got = qlm.generate(prompt, stop_token_ids=None)["token_ids"]
+    np.testing.assert_array_equal(
+        np.asarray(got)[:, :3], prompt["token_ids"][:, :3]
+    )
+    assert np.mean(np.asarray(got) == np.asarray(want)) >= 0.9
