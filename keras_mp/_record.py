@@ -251,6 +251,20 @@ class RecordedModel(keras.Model):
         self._check_rebuild(config)
         return config
 
+    def quantize(self, mode=None, *args, **kwargs):
+        """Refuses Keras' own `quantize`: Keras would switch its layers to
+        `quantized_call`, which keras_mp's quantizers never see, and its
+        int8/int4/float8 weights export no Q/DQ for TensorRT."""
+        raise ValueError(
+            f"Model {self.name!r} holds keras_mp state; Keras' own "
+            f"`quantize({mode!r})` would bypass its quantizers (Keras runs "
+            "`quantized_call` instead of the layers' `call`) and export no "
+            "Q/DQ. Quantize with keras_mp alone "
+            '(`keras_mp.quantize_model(model, precision="int8" | "fp8")` on '
+            "the float model), or call `quantize` on the float model and "
+            "leave keras_mp out. Nothing was changed."
+        )
+
     def save(self, filepath, overwrite=True, **kwargs):
         """`keras.Model.save`, with the config checked before any file is
         opened, and a local `.keras` file written to a temporary file that

@@ -288,8 +288,30 @@ def quantized_layers(model):
 
 def check_float(model, caller):
     """Raises a ValueError naming `caller` when `model` is quantized
-    already (it holds quantized layers)."""
-    found = quantized_layers(model)
+    already: it holds keras_mp's quantized layers, or layers Keras' own
+    `model.quantize(...)` switched to its `quantized_call` (which a twin's
+    `call` would never run in: its ranges would stay 0)."""
+    layers = list(_models.walk_layers(model))
+    by_keras = [
+        layer
+        for layer in layers
+        if getattr(layer, "quantization_mode", None) is not None
+    ]
+    if by_keras:
+        names = ", ".join(
+            f"{layer.name!r} ({layer.quantization_mode})"
+            for layer in by_keras[:4]
+        )
+        raise ValueError(
+            f"`{caller}`: model {model.name!r} was quantized by Keras' own "
+            f"`quantize()` (layers {names}): Keras runs those layers' "
+            "`quantized_call`, so keras_mp's quantizers would never see "
+            "them, and Keras' weights export no Q/DQ for TensorRT. Call "
+            f"`{caller}` on the float model (before `model.quantize`, or "
+            "rebuilt from its config with the float weights). Nothing was "
+            "changed."
+        )
+    found = [layer for layer in layers if is_quantized(layer)]
     if found:
         raise ValueError(
             f"`{caller}`: model {model.name!r} is already quantized (layer "

@@ -204,3 +204,18 @@ def test_bad_input_names_the_fault(call, error, match):
 def test_quantizing_a_quantized_model_is_rejected(quantized):
     with pytest.raises(ValueError, match="already quantized.*strip_quantiz"):
         keras_mp.quantize_model(quantized)
+
+
+def test_a_model_keras_quantized_is_refused_and_keras_quantize_too():
+    # Keras' own int8 mode switches a Dense to `quantized_call`: a twin's
+    # call would never run (ranges 0, export blaming calibration).
+    inputs = keras.Input((16,))
+    outputs = keras.layers.Dense(16, name="dense")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(16, name="out")(outputs))
+    qmodel = keras_mp.quantize_model(model)
+    with pytest.raises(ValueError, match=r"Keras' own `quantize\('int8'\)`"):
+        qmodel.quantize("int8")
+    assert qmodel.model.get_layer("dense").quantization_mode is None
+    model.quantize("int8")
+    with pytest.raises(ValueError, match=r"'dense' \(int8\).*float model"):
+        keras_mp.quantize_model(model)
