@@ -427,6 +427,11 @@ class CallScope:
         occurrence = self.seen.get(where, 0)
         self.seen[where] = occurrence + 1
         k = layer.op_site_index.get((where, occurrence))
+        if k is None:
+            # A loop whose trip count follows a shape (the probe's call
+            # was shorter): the loop body's op shares its last recorded
+            # occurrence's quantizers, one range over every iteration.
+            k = layer.op_site_index.get((where, "last"))
         sites = layer.op_sites
         if k is None or sites[k]["op"] != name:
             recorded = ", ".join(

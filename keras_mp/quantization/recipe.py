@@ -279,11 +279,10 @@ def _attach_sites(layer, sites, fmt, config, site_attr=None):
             )
             layer.op_quantizers.append(found["probs"])
     object.__setattr__(layer, "op_quantizers_by_site", by_site)
-    object.__setattr__(
-        layer,
-        "op_site_index",
-        {(s["where"], s["occurrence"]): k for k, s in enumerate(sites)},
-    )
+    index = {(s["where"], s["occurrence"]): k for k, s in enumerate(sites)}
+    for k, site in enumerate(sites):  # sites are in occurrence order
+        index[(site["where"], "last")] = k
+    object.__setattr__(layer, "op_site_index", index)
 
 
 def _at_op_sites(row):
@@ -493,11 +492,21 @@ def _site_entries(structure, walked, choices):
     if not choices:
         return []
     layers = {id(walked[i][0]): i for i in choices}
-    sample = _zeros_like_inputs(structure)
-    found, changed = op_sites.probe(
-        lambda: structure(sample, training=False),
-        [walked[i][0] for i in choices],
-    )
+    try:
+        sample = _zeros_like_inputs(structure)
+        found, changed = op_sites.probe(
+            lambda: structure(sample, training=False),
+            [walked[i][0] for i in choices],
+        )
+    except Exception as e:  # a model that needs real data: no probe
+        warnings.warn(
+            f"Could not run model {structure.name!r} on zeros to find the "
+            f"GEMMs written in its layers' own code ({type(e).__name__}: "
+            f"{str(e).splitlines()[0][:200]}); those stay float, the layers "
+            "of the layer table are quantized.",
+            stacklevel=5,
+        )
+        return []
     entries = []
     for layer_id, sites in found.items():
         index = layers[layer_id]

@@ -275,3 +275,49 @@ def test_compare_onnx_finds_no_divergence_in_the_experts_layer(tmp_path):
     keras_mp.export_onnx(qmodel, path, verify_data=_data())
     report = keras_mp.compare_onnx(qmodel, path, _data(8))
     assert report.first_divergence is None, str(report)
+
+
+@keras.saving.register_keras_serializable(package="test_op_sites")
+class Scan(keras.layers.Layer):
+    """A Python loop over the time axis (as RWKV's time mixing): the loop
+    body's matmul runs once per step, more steps than the probe's call."""
+
+    def build(self, shape):
+        self.w = self.add_weight(shape=(shape[-1], shape[-1]), name="w")
+
+    def call(self, x):
+        state = x[:, 0]
+        for t in range(x.shape[1]):
+            state = ops.tanh(ops.matmul(state, self.w) + x[:, t])
+        return state
+
+    def compute_output_shape(self, shape):
+        return (shape[0], shape[-1])
+
+
+def test_a_loop_over_a_shape_shares_its_body_quantizers():
+    inputs = keras.Input((None, 32))
+    model = keras.Model(inputs, Scan(name="scan")(inputs))
+    qmodel = keras_mp.quantize_model(model)  # probed on one time step
+    (layer,) = twins.quantized_layers(qmodel)
+    assert len(layer.op_sites) == 1
+    keras_mp.calibrate(qmodel, _data(), verbose=0)  # eight steps
+    got, want = np.asarray(qmodel(_data())), np.asarray(model(_data()))
+    assert 0 < np.linalg.norm(got - want) < 0.05 * np.linalg.norm(want)
+
+
+def test_a_model_that_cannot_run_on_zeros_keeps_its_op_sites_float():
+    # The probe runs the model on zeros with unknown dimensions set to 1;
+    # a model that cannot take that keeps its layers' own GEMMs float.
+    inputs = keras.Input((None, 32))
+    x = keras.layers.Lambda(lambda t: t[:, :4])(inputs)
+    x = keras.layers.Reshape((4, 32))(x)  # needs 4 steps: 1 fails
+    x = HandAttention(name="hand")(x)
+    model = keras.Model(inputs, keras.layers.Dense(32)(x))
+    with pytest.warns(UserWarning, match="Could not run model"):
+        qmodel = keras_mp.quantize_model(model)
+    assert not [
+        layer
+        for layer in twins.quantized_layers(qmodel)
+        if getattr(layer, "op_sites", None)
+    ]
