@@ -81,10 +81,12 @@ ATTENTION_WEIGHTS = (
     "EinsumDense"
 )
 ATTENTION_INPUTS = (
-    "one shared Q/DQ per distinct query/key/value input, one on the output "
-    "projection's input, and on the scaled query, the key, the softmax "
-    "output and the value before the two attention matmuls "
-    "(`QuantizeConfig(attention=False)` leaves those two matmuls float)"
+    "each projection's own input Q/DQ (tf2onnx merges those of one tensor: "
+    "self-attention shows one), and at the op site of Keras' "
+    "`dot_product_attention` (or its einsums, with dropout) the scaled "
+    "query, the key, the softmax output and the value before the two "
+    "attention matmuls (`QuantizeConfig(attention=False)` leaves those two "
+    "matmuls float)"
 )
 ATTENTION_RUN = (
     "INT8 MatMul: the four projections and both attention matmuls "
@@ -119,7 +121,8 @@ OTHER_ATTENTION = {
 }
 SEPARABLE_INPUTS = "every input, and the pointwise convolution's input"
 DOT_INPUTS = (
-    "both inputs, after the l2-normalization of `normalize=True` "
+    "both operands of the `ops.matmul` of Keras' code (its op site), after "
+    "the l2-normalization of `normalize=True` "
     "(`QuantizeConfig(dot=False)` leaves the matmul float)"
 )
 DOT_RUN = "INT8 MatMul of two activations (both inputs from a DQ)"

@@ -11,7 +11,6 @@ in `SAMPLES` of `tests/test_layer_table.py`.
 """
 
 import dataclasses
-import inspect
 import math
 
 import keras
@@ -70,12 +69,10 @@ class LayerRow:
             pointwise input (the depthwise output) gets a Q/DQ of its own.
         attention: bool. An attention layer: its attention matmuls get
             Q/DQ on their inputs (`QuantizeConfig(attention=False)` keeps
-            them float); with `inputs="all"` (MultiHeadAttention) its query,
-            key and value projections also take inputs quantized once per
-            distinct tensor; with `"none"` its projections, if any, are
-            layers that quantize their own inputs.
-        matmul: bool. A matmul of two activations (`Dot`): both inputs get
-            a Q/DQ, unless `QuantizeConfig(dot=False)` keeps it float.
+            them float); its projections, if any, are layers that quantize
+            their own inputs.
+        matmul: bool. A matmul of two activations (`Dot`): both operands
+            get a Q/DQ, unless `QuantizeConfig(dot=False)` keeps it float.
         op_sites: bool. Quantized at the op calls of its own code
             (`quantization/op_sites.py`), not by the row's weights and
             inputs.
@@ -147,17 +144,14 @@ _TRANSPOSE = dataclasses.replace(
 # next layer's Q/DQ across max pooling by itself: off by default (extra Q/DQ
 # only add latency), on with `QuantizeConfig(quantize_inputs=True)`.
 _POOL = LayerRow(quantizable=True, permute=CHANNELWISE)
-# Its weights live in its EinsumDense projections (rows of their own); the
-# row places the attention Q/DQ. `weighted`: its output comes from a GEMM
-# (the output projection), which TensorRT fuses with a residual Add.
-_ATTENTION = LayerRow(
-    inputs=ALL_INPUTS, quantizable=True, weighted=True, attention=True
-)
-# Keras' GroupQueryAttention, Attention and AdditiveAttention: their
-# attention matmuls are quantized at their op sites (`op_sites`: the
-# matmuls, einsums and `dot_product_attention` of Keras' code), GQA's
-# projections as EinsumDense rows of their own. `weighted`: the output
-# comes from a GEMM (probs @ value), as the lint sees it.
+# Keras' attention layers (MultiHeadAttention and its subclasses,
+# GroupQueryAttention, Attention, AdditiveAttention): their attention
+# matmuls are quantized at their op sites (`op_sites`: the matmuls,
+# einsums and `dot_product_attention` of Keras' code), their projections
+# as EinsumDense rows of their own, each with its input Q/DQ (tf2onnx
+# merges the identical Q/DQ of one tensor: self-attention shows one).
+# `weighted`: the output comes from a GEMM (probs @ value), as the lint
+# sees it.
 _OP_SITES_ATTENTION_ROW = LayerRow(
     inputs=NO_INPUTS,
     quantizable=True,
@@ -170,9 +164,16 @@ _OP_SITES_ATTENTION_ROW = LayerRow(
 # requantizations: off by default, as for pooling.
 _CONCAT = LayerRow(quantizable=True)
 # A matmul of two activations (DLRM's feature interactions): TensorRT runs
-# it in INT8 when both inputs come from a DQ, as an attention matmul.
+# it in INT8 when both inputs come from a DQ, as an attention matmul; the
+# matmul of Keras' code is quantized at its op site, after a `normalize`.
 # `weighted`: its output comes from a GEMM, as the lint sees it.
-_DOT = LayerRow(inputs=ALL_INPUTS, quantizable=True, weighted=True, matmul=True)
+_DOT = LayerRow(
+    inputs=NO_INPUTS,
+    quantizable=True,
+    weighted=True,
+    matmul=True,
+    op_sites=True,
+)
 _CHANNEL_WISE = LayerRow(permute=CHANNELWISE)
 _FLOAT32 = LayerRow(float32=True)
 
@@ -242,7 +243,7 @@ TABLE = {
     L.SeparableConv2D: _SEPARABLE,
     L.Dense: _conv(prune_axis=0),
     L.EinsumDense: _einsum_row,
-    L.MultiHeadAttention: _ATTENTION,
+    L.MultiHeadAttention: _OP_SITES_ATTENTION_ROW,
     L.GroupQueryAttention: _OP_SITES_ATTENTION_ROW,
     L.Attention: _OP_SITES_ATTENTION_ROW,
     L.AdditiveAttention: _OP_SITES_ATTENTION_ROW,
@@ -288,29 +289,14 @@ TABLE = {
 FLOAT32_ACTIVATIONS = ("softmax", "log_softmax")
 
 
-def _called_as_attention(cls):
-    """Whether a `MultiHeadAttention` subclass is called with `query` and
-    `value` as Keras' is (keras-hub's CachedMultiHeadAttention is; XLNet's
-    TwoStreamRelativeAttention takes content and query streams): the
-    quantized twin binds its call to those names."""
-    float_class = getattr(cls, "float_class", None) or cls
-    parameters = inspect.signature(float_class.call).parameters
-    return "query" in parameters and "value" in parameters
-
-
 def row_for(layer):
     """The `LayerRow` of `layer`'s type (its closest listed base class), or
     None when the table does not know the type (a custom layer, keras-hub's
-    attention layers, a MultiHeadAttention subclass with a call of its own
-    making: the GEMMs of their own code are quantized at their op sites,
-    `quantization/op_sites.py`)."""
+    attention layers: the GEMMs of their own code are quantized at their
+    op sites, `quantization/op_sites.py`)."""
     for cls in type(layer).__mro__:
         row = TABLE.get(cls)
         if row is not None:
-            if cls is L.MultiHeadAttention and not _called_as_attention(
-                type(layer)
-            ):
-                return None
             return row(layer) if callable(row) else row
     return None
 
@@ -339,11 +325,6 @@ def float_attention_note(layer):
     holds = inner or _keras.own_variables(layer)
     if any("Attention" in type(sub).__name__ for sub in inner):
         return ""
-    if isinstance(layer, L.MultiHeadAttention):
-        return (
-            f"attention matmuls run in float: {name} not supported (a "
-            "MultiHeadAttention called without `query`/`value`)"
-        )
     if "Attention" in name and holds:
         return f"attention matmuls run in float: {name} not supported"
     return ""

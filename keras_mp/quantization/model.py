@@ -10,8 +10,7 @@ again (`recipe.attach`), and only then do the weights and ranges load.
 import keras
 
 from keras_mp import _models, _record
-from keras_mp.quantization import twins
-from keras_mp.quantization.layers import quantizable_row
+from keras_mp.quantization import legacy_twins, twins
 from keras_mp.quantization.recipe import Recipe, apply_entries, apply_recipe
 
 
@@ -23,8 +22,8 @@ def quantization_record(model, walked):
     for index, (layer, _) in enumerate(walked):
         if not twins.is_quantized(layer):
             continue
-        row = quantizable_row(layer)
-        attention = row is not None and row.attention and not row.op_sites
+        # an old file's MultiHeadAttention names its inputs
+        attention = isinstance(layer, legacy_twins.QuantizedAttention)
         entry = {
             "index": index,
             "class_name": _models.class_name(layer),

@@ -212,7 +212,7 @@ class Probe:
     """Records the GEMM sites of `layers` during one call of the model."""
 
     def __init__(self, layers):
-        self.layers = {id(layer): layer for layer in layers}
+        self.counts = {}  # id(layer) -> calls, of every probed layer
         self.variables = {
             id(layer): {id(v) for v in layer.weights} for layer in layers
         }
@@ -226,11 +226,12 @@ class Probe:
         self.softmax_values = set()
 
     def begin(self, layer):
-        self.calls[id(layer)] = {}  # where -> occurrences in this call
-        self.sites.setdefault(id(layer), [])
+        if id(layer) in self.variables:
+            self.calls[id(layer)] = {}  # where -> occurrences in this call
+            self.sites.setdefault(id(layer), [])
 
     def end(self, layer):
-        self.calls.pop(id(layer))
+        self.calls.pop(id(layer), None)
 
     def _tag(self, tensor, tag):
         self.tags[id(tensor)] = tag
@@ -357,27 +358,42 @@ def _shape_free(site):
     return (site["op"], [spec["role"] for spec in site["operands"]])
 
 
-def probe(run, layers):
-    """Runs `run()` (the model on zeros) recording the op sites of each of
-    `layers`. Returns `({id(layer): [site, ...]}, {id(layer): message})`,
-    the second naming layers whose calls differ."""
+def probe(run, layers, site_layers):
+    """Runs `run()` (the model on zeros) counting the calls of each of
+    `layers` and recording the op sites of each of `site_layers`.
+
+    Returns:
+        `(sites, changed, calls)`: `{id(layer): [site, ...]}`,
+        `{id(layer): message}` naming layers whose calls differ, and
+        `{id(layer): number of calls}` (a wrapper calling a layer's `call`
+        once per time step, as `TimeDistributed` does, counts once).
+    """
     install()
     state = _state()
-    recorder = Probe(layers)
-    originals = [(layer, type(layer)) for layer in layers]
+    recorder = Probe(site_layers)
+    counts = recorder.counts
+    inside = set()  # layers in their own __call__
+    originals = [
+        (layer, type(layer))
+        for layer in {id(x): x for x in [*layers, *site_layers]}.values()
+    ]
 
     def probe_class(cls):
         def __call__(self, *args, **kwargs):
+            counts[id(self)] = counts.get(id(self), 0) + 1
+            inside.add(id(self))
             recorder.begin(self)
             try:
                 return cls.__call__(self, *args, **kwargs)
             finally:
                 recorder.end(self)
+                inside.discard(id(self))
 
         def call(self, *args, **kwargs):
             # a wrapper calling `layer.call` itself (TimeDistributed)
-            if id(self) in recorder.calls:
+            if id(self) in inside:
                 return cls.call(self, *args, **kwargs)
+            counts.setdefault(id(self), 1)
             recorder.begin(self)
             try:
                 return cls.call(self, *args, **kwargs)
@@ -409,7 +425,7 @@ def probe(run, layers):
     for sites in recorder.sites.values():
         for site in sites:
             site.pop("_refs", None)
-    return recorder.sites, recorder.changed
+    return recorder.sites, recorder.changed, counts
 
 
 class CallScope:

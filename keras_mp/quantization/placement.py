@@ -21,7 +21,7 @@ import keras
 
 from keras_mp import _keras, layer_table
 from keras_mp.layer_table import ALL_INPUTS, NO_INPUTS, SKIP_INPUTS
-from keras_mp.quantization import attention, op_sites
+from keras_mp.quantization import op_sites
 from keras_mp.quantization.layers import quantizable_row
 
 # How TensorRT treats the non-weighted ops around a Q/DQ (TensorRT Developer
@@ -160,15 +160,6 @@ def input_placement(layer, row, config):
     return []
 
 
-def attention_inputs(calls):
-    """The attention input names that own a Q/DQ: one per distinct tensor
-    of every call the probe saw; all three when it saw none."""
-    if not calls or any(c is None for c in calls):
-        return list(attention.ATTENTION_INPUTS)
-    needed = {source for c in calls for source in c.values()}
-    return [n for n in attention.ATTENTION_INPUTS if n in needed]
-
-
 # TensorRT's FP8 convolutions (ModelOpt's ONNX PTQ, `graph_utils.py`
 # `find_nodes_from_convs_to_exclude`, the rules it encodes for TensorRT):
 # none with 16 channels or fewer in or out (`_MIN_CHANNELS_FP8`: slower
@@ -262,11 +253,11 @@ def small_gemm(layer):
     )
 
 
-def site_float(site, config):
+def site_float(site, config, row=None):
     """Why an op site (`op_sites`) of a layer's own code stays float, or
     "": the small-GEMM rule for a GEMM with a weight, `config.attention`
-    for a matmul of two activations or an attention op, and nothing float
-    to quantize."""
+    for a matmul of two activations or an attention op (`config.dot` in a
+    layer of a `matmul` row: `Dot`), and nothing float to quantize."""
     roles = [spec["role"] for spec in site["operands"]]
     if not any(roles):
         return "no float operand"
@@ -281,6 +272,10 @@ def site_float(site, config):
                 f"GEMM with K={k}, N={n}: no Q/DQ below {MIN_GEMM_DIM} "
                 "(TensorRT's INT8/FP8 kernels are no faster there)"
             )
+        return ""
+    if row is not None and row.matmul:
+        if not config.dot:
+            return "matmul of two activations: QuantizeConfig(dot=False)"
         return ""
     if not config.attention:
         return "matmul of two activations: QuantizeConfig(attention=False)"
@@ -302,23 +297,15 @@ def decide(walked, choices, calls):
     Args:
         walked: `_models.walk(model)`.
         choices: `{walk index: QuantizeConfig}` of the selected layers.
-        calls: `{id(layer): [attention sources or None, ...]}`, one entry
-            per call a probe run saw (empty when the model could not run).
-            A selected layer the probe saw no call of gets no quantizer.
+        calls: `{id(layer): number of calls}` a probe run saw (empty when
+            the model could not run). A selected layer the probe saw no
+            call of gets no quantizer.
 
     Returns:
         `[(walk index, inputs, number of calls)]` of the layers that get a
-        quantizer: `inputs` the input indices with a Q/DQ, or for an
-        attention layer the input names that own one. Warns once, naming
+        quantizer: `inputs` the input indices with a Q/DQ. Warns once, naming
         the shared layers (one input range for all their calls).
     """
-    projections = set()
-    for layer, _ in walked:
-        row = layer_table.row_for(layer)
-        if row is not None and row.attention and layer.built:
-            projections.update(
-                id(p) for p in _keras.attention_projections(layer) if p
-            )
     decided, shared, unused, small = [], [], [], []
     for index, config in sorted(choices.items()):
         layer, _ = walked[index]
@@ -328,30 +315,15 @@ def decide(walked, choices, calls):
             # has no residual): no tensor to calibrate, nothing in a graph
             unused.append(layer.name)
             continue
-        count = max(1, len(calls.get(id(layer), ())))
-        if row.attention:
-            inputs = (
-                []
-                if config.quantize_inputs is False or row.inputs == NO_INPUTS
-                else attention_inputs(calls.get(id(layer)))
-            )
-            if not inputs and not config.attention:
-                continue
-        else:
-            if (
-                id(layer) not in projections
-                and not config.small_gemms
-                and small_gemm(layer)
-            ):
-                small.append(layer.name)
-                continue  # stays float; `quantization_report` says why
-            inputs = []
-            if id(layer) not in projections:
-                inputs = input_placement(layer, row, config)
-            if not row.weights and not inputs:
-                continue
-            if count > 1 and inputs:
-                shared.append(layer.name)
+        count = max(1, calls.get(id(layer), 1))
+        if not config.small_gemms and small_gemm(layer):
+            small.append(layer.name)
+            continue  # stays float; `quantization_report` says why
+        inputs = input_placement(layer, row, config)
+        if not row.weights and not inputs:
+            continue
+        if count > 1 and inputs:
+            shared.append(layer.name)
         decided.append((index, inputs, count))
     if shared:
         warnings.warn(

@@ -7,7 +7,6 @@ nested models), which is the same for two models built by the same code;
 layer names are not, for layers that custom layers create without one.
 """
 
-import collections
 import dataclasses
 import functools
 import warnings
@@ -16,18 +15,8 @@ import keras
 import numpy as np
 
 from keras_mp import _inputs, _keras, _models
-from keras_mp.quantization import (
-    attention,
-    op_sites,
-    placement,
-    twins,
-)
-from keras_mp.quantization.attention import (
-    ATTENTION_MATMUL_INPUTS,
-    QuantizedAttention,
-)
+from keras_mp.quantization import legacy_twins, op_sites, placement
 from keras_mp.quantization.config import QuantizeConfig
-from keras_mp.quantization.dot import QuantizedDot
 from keras_mp.quantization.layers import QuantizeActivation, quantizable_row
 from keras_mp.quantization.twins import QuantizedLayer, WeightQuantizer
 
@@ -57,12 +46,8 @@ class Recipe:
         return cls(tuple(config["entries"]), tuple(config["layers"]))
 
 
-# (layer class, twin base), users' first, newest first: `register_twin`.
+# (layer class, twin base), newest first: `register_twin`.
 _USER_TWINS = []
-_BUILT_IN_TWINS = [
-    (keras.layers.MultiHeadAttention, QuantizedAttention),
-    (keras.layers.Dot, QuantizedDot),
-]
 
 
 def register_twin(layer_class, twin_class):
@@ -118,16 +103,14 @@ def _registered(cls, registry):
 
 
 @functools.cache
-def twin_class(cls, ops_only=False):
+def twin_class(cls, legacy=False):
     """The quantized twin of layer class `cls`: a subclass of it and of
-    its registered twin base (`register_twin`: `QuantizedAttention` for
-    MultiHeadAttention, `QuantizedDot` for `keras.layers.Dot`, users' own
-    first), or of `QuantizedLayer`. A layer quantized at its op sites
-    only (`ops_only`: no table row, or an op-sites row) takes a user's
-    twin or `QuantizedLayer`."""
+    its registered twin base (`register_twin`), or of `QuantizedLayer`.
+    `legacy`: for a record entry of an earlier release, the load-only
+    twin it was saved with (`legacy_twins`), when `cls` had one."""
     base = _registered(cls, _USER_TWINS)
-    if base is None and not ops_only:
-        base = _registered(cls, _BUILT_IN_TWINS)
+    if base is None and legacy:
+        base = _registered(cls, legacy_twins.LEGACY_TWINS)
     return type(
         f"Quantized{cls.__name__}",
         (base or QuantizedLayer, cls),
@@ -159,8 +142,9 @@ def attach(layer, row, config, inputs, path, calls=1, sites=(), site_attr=None):
             `sites`.
         row: its `layer_table.LayerRow`, or None (op-level only).
         config: `QuantizeConfig`.
-        inputs: the inputs that get a Q/DQ: indices, or for an attention
-            layer the names (`ATTENTION_INPUTS`) that own one.
+        inputs: the inputs that get a Q/DQ: indices, or for an old
+            file's MultiHeadAttention (`legacy_twins`) the names that own
+            one.
         path: str. The layer's path of names below the model.
         calls: int. How many calls of the layer one input range covers
             (a shared layer: more than one).
@@ -193,19 +177,12 @@ def attach(layer, row, config, inputs, path, calls=1, sites=(), site_attr=None):
                 _activation(fmt, config, f"{layer.name}_{name}_input")
                 for name in inputs
             ]
-            # A twin may have more matmul inputs than Keras' attention
-            # (DeBERTaV3's position query and key): it names them.
-            matmul_inputs = getattr(
-                twin_class(type(layer)),
-                "matmul_inputs",
-                ATTENTION_MATMUL_INPUTS,
-            )
             layer.attention_quantizers = (
                 [
                     _activation(
                         fmt, config, f"{layer.name}_attention_{name}", name
                     )
-                    for name in matmul_inputs
+                    for name in legacy_twins.ATTENTION_MATMUL_INPUTS
                 ]
                 if config.attention
                 else []
@@ -228,7 +205,7 @@ def attach(layer, row, config, inputs, path, calls=1, sites=(), site_attr=None):
             placement.qdq_role(layer) == "same_scale"
             and not config.learned_range
         )
-    twin = twin_class(type(layer), _at_op_sites(row))
+    twin = twin_class(type(layer), legacy=not _at_op_sites(row))
     object.__setattr__(layer, "__class__", twin)
     for q in layer.owned_quantizers():
         _models.own(layer, q)
@@ -324,9 +301,10 @@ def apply_entries(model, walked, entries):
     entries = _legacy_sites(model, walked, entries)
     for entry in entries:
         layer, parents = walked[entry["index"]]
+        row = legacy_twins.legacy_row(layer, entry) or quantizable_row(layer)
         attach(
             layer,
-            quantizable_row(layer),
+            row,
             QuantizeConfig.from_config(entry["config"]),
             entry["inputs"],
             _models.layer_path(layer, parents),
@@ -350,6 +328,7 @@ def _legacy_sites(model, walked, entries):
         for e in entries
         if "sites" not in e
         and _at_op_sites(quantizable_row(walked[e["index"]][0]))
+        and legacy_twins.legacy_row(walked[e["index"]][0], e) is None
     }
     if not legacy:
         return entries
@@ -357,7 +336,8 @@ def _legacy_sites(model, walked, entries):
         index: QuantizeConfig.from_config(e["config"])
         for index, e in legacy.items()
     }
-    found = {e["index"]: e for e in _site_entries(model, walked, choices)}
+    found, _ = _probe(model, walked, choices, choices)
+    found = {e["index"]: e for e in _site_entries(walked, choices, *found)}
     updated = []
     for entry in entries:
         if entry["index"] in legacy:
@@ -378,65 +358,6 @@ def _legacy_sites(model, walked, entries):
             }
         updated.append(entry)
     return updated
-
-
-def _probe_calls(model, layers):
-    """Runs `model` once on zeros with each of `layers` recording its calls:
-    `{id(layer): [sources, ...]}` (`attention.attention_sources` for attention
-    layers, None for others). None when the model cannot be run so."""
-    calls = collections.defaultdict(list)
-    probes = {}
-    inside = set()  # layers in their own __call__
-
-    def probe_class(cls):
-        if cls not in probes:
-            is_attention = issubclass(cls, keras.layers.MultiHeadAttention)
-
-            def __call__(self, *args, **kwargs):
-                sources = None
-                if is_attention:
-                    arguments = twins.bind_call(cls, self, args, kwargs)
-                    sources = attention.attention_sources(arguments)
-                calls[id(self)].append(sources)
-                inside.add(id(self))
-                try:
-                    return cls.__call__(self, *args, **kwargs)
-                finally:
-                    inside.discard(id(self))
-
-            def call(self, *args, **kwargs):
-                # A wrapper calling `layer.call` itself (TimeDistributed,
-                # once per time step): one call, one range for every step.
-                if id(self) not in inside and not calls[id(self)]:
-                    calls[id(self)].append(None)
-                return cls.call(self, *args, **kwargs)
-
-            probes[cls] = type(
-                cls.__name__, (cls,), {"__call__": __call__, "call": call}
-            )
-        return probes[cls]
-
-    originals = [(layer, type(layer)) for layer in layers]
-    try:
-        sample = _zeros_like_inputs(model)
-        for layer, cls in originals:
-            object.__setattr__(layer, "__class__", probe_class(cls))
-        model(sample, training=False)
-    except Exception as e:  # a model that needs real data: no probe
-        if any(isinstance(x, keras.layers.MultiHeadAttention) for x in layers):
-            warnings.warn(
-                f"Could not run model {model.name!r} on zeros to see which "
-                "attention inputs are one tensor "
-                f"({type(e).__name__}: {e}); query, key and value of every "
-                "attention layer get a Q/DQ each (identical ones for one "
-                "tensor).",
-                stacklevel=5,
-            )
-        return None
-    finally:
-        for layer, cls in originals:
-            object.__setattr__(layer, "__class__", cls)
-    return calls
 
 
 def _zeros_like_inputs(model):
@@ -467,7 +388,8 @@ def make_recipe(structure, choices):
         for i, c in choices.items()
         if not _at_op_sites(quantizable_row(walked[i][0]))
     }
-    calls = _probe_calls(structure, [walked[i][0] for i in rows]) or {}
+    others = {i: c for i, c in choices.items() if i not in rows}
+    found, calls = _probe(structure, walked, choices, others)
     entries = []
     for index, inputs, count in placement.decide(walked, rows, calls):
         layer, _ = walked[index]
@@ -480,33 +402,45 @@ def make_recipe(structure, choices):
         if count > 1:
             entry["calls"] = count
         entries.append(entry)
-    others = {i: c for i, c in choices.items() if i not in rows}
-    entries += _site_entries(structure, walked, others)
+    entries += _site_entries(walked, others, *found)
     entries.sort(key=lambda entry: entry["index"])
     return Recipe(tuple(entries), tuple(_models.structure(structure)))
 
 
-def _site_entries(structure, walked, choices):
-    """The entries of the layers of `choices` whose own code calls GEMM ops
-    (`op_sites.probe`), each with its sites."""
-    if not choices:
-        return []
-    layers = {id(walked[i][0]): i for i in choices}
+def _probe(structure, walked, choices, others):
+    """Runs `structure` once on zeros (`op_sites.probe`) with every chosen
+    layer recording its calls and the layers of `others` their op sites.
+
+    Returns:
+        `((sites, changed), calls)`: `op_sites.probe`'s sites and changed
+        calls by layer id, and `{id(layer): number of calls}` (empty when
+        the model cannot run on zeros: a warning says what stays float).
+    """
     try:
         sample = _zeros_like_inputs(structure)
-        found, changed = op_sites.probe(
+        sites, changed, calls = op_sites.probe(
             lambda: structure(sample, training=False),
             [walked[i][0] for i in choices],
+            [walked[i][0] for i in others],
         )
     except Exception as e:  # a model that needs real data: no probe
-        warnings.warn(
-            f"Could not run model {structure.name!r} on zeros to find the "
-            f"GEMMs written in its layers' own code ({type(e).__name__}: "
-            f"{str(e).splitlines()[0][:200]}); those stay float, the layers "
-            "of the layer table are quantized.",
-            stacklevel=5,
-        )
-        return []
+        if others:
+            warnings.warn(
+                f"Could not run model {structure.name!r} on zeros to find "
+                "the GEMMs written in its layers' own code "
+                f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+                "those stay float, the layers of the layer table are "
+                "quantized.",
+                stacklevel=5,
+            )
+        return ({}, {}), {}
+    return (sites, changed), calls
+
+
+def _site_entries(walked, choices, found, changed):
+    """The entries of the layers of `choices` whose own code calls GEMM ops
+    (`found`: their sites by layer id), each with its sites."""
+    layers = {id(walked[i][0]): i for i in choices}
     entries = []
     for layer_id, sites in found.items():
         index = layers[layer_id]
@@ -519,8 +453,9 @@ def _site_entries(structure, walked, choices):
             )
             continue
         config = choices[index]
+        row = quantizable_row(layer)
         for site in sites:
-            reason = placement.site_float(site, config)
+            reason = placement.site_float(site, config, row)
             if reason:
                 site["float"] = reason
         if all(site.get("float") for site in sites):

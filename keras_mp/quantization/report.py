@@ -81,7 +81,7 @@ VECTOR_DOT_NOTE = (
 def _is_vector_dot(layer):
     """Whether a quantized `layer` is a Dot of two rank-2 inputs."""
     row = quantizable_row(layer)
-    if row is None or not row.matmul or not layer.input_quantizers:
+    if row is None or not row.matmul or not layer.op_quantizers:
         return False
     shapes = (layer.get_build_config() or {}).get("input_shape") or ()
     return len(shapes) == 2 and all(len(s) == 2 for s in shapes)

@@ -1,6 +1,7 @@
-"""`keras.layers.Dot`, a matmul of two activations: both inputs behind Q/DQ
-(a DLRM's feature interactions, every MatMul of the export quantized),
-float on request, quantized after the l2-normalization of
+"""`keras.layers.Dot`, a matmul of two activations, quantized at the
+`ops.matmul` of Keras' code like any layer's own ops: both operands behind
+Q/DQ (a DLRM's feature interactions, every MatMul of the export
+quantized), float on request, quantized after the l2-normalization of
 `normalize=True`, and the ranges kept by a `.keras` round trip."""
 
 import keras
@@ -13,7 +14,7 @@ import keras_mp
 from keras_mp import _models
 from keras_mp.datasets import load_digits
 from keras_mp.onnx.graph import GraphIndex
-from keras_mp.quantization.dot import QuantizedDot
+from keras_mp.quantization import twins
 
 L = keras.layers
 # Two categorical fields: the raw 0-16 values of two pixels of sklearn's
@@ -69,7 +70,7 @@ def _dots(model):
 
 def _ranges(model):
     return {
-        d.name: [float(q.amax.numpy()) for q in d.input_quantizers]
+        d.name: [float(q.amax.numpy()) for q in d.op_quantizers]
         for d in _dots(model)
     }
 
@@ -103,7 +104,8 @@ def test_dlrm_exports_every_matmul_behind_qdq(exported):
     lint = keras_mp.check_tensorrt(path)
     assert lint.violations == [] and lint.warnings == [], str(lint)
     assert parity.rel_l2 < 1e-4, str(parity)
-    assert all(isinstance(d, QuantizedDot) for d in _dots(qmodel))
+    assert all(twins.is_quantized(d) for d in _dots(qmodel))
+    assert all(len(r) == 2 for r in _ranges(qmodel).values())  # 2 operands
     assert all(0 < a for r in _ranges(qmodel).values() for a in r)
 
 
@@ -156,10 +158,10 @@ def test_normalized_dot_quantizes_after_the_normalization():
     keras_mp.calibrate(qmodel, x, verbose=0)
     (twin,) = _dots(qmodel)
     # The ranges are those of the unit vectors the matmul reads.
-    amax = [float(q.amax.numpy()) for q in twin.input_quantizers]
-    assert all(0.5 < a <= 1.0 for a in amax)
+    amax = [float(q.amax.numpy()) for q in twin.op_quantizers]
+    assert len(amax) == 2 and all(0.5 < a <= 1.0 for a in amax)
     unit = [keras.utils.normalize(v, axis=-1) for v in x]
-    quantized = [q(u) for q, u in zip(twin.input_quantizers, unit)]
+    quantized = [q(u) for q, u in zip(twin.op_quantizers, unit)]
     want = np.sum(np.multiply(*map(np.asarray, quantized)), -1, keepdims=True)
     got = keras.ops.convert_to_numpy(qmodel(x))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

@@ -12,7 +12,6 @@ from benchmarks.hub_models import BACKBONES, inputs_for
 from keras_mp import _models
 from keras_mp.onnx.graph import GraphIndex
 from keras_mp.quantization import twins
-from keras_mp.quantization.attention import ATTENTION_MATMUL_INPUTS
 from tests.quantization.test_nested import _fused_attention_chains
 
 keras_hub = pytest.importorskip("keras_hub")
@@ -64,7 +63,9 @@ def _check(model, data, tmp_path):
         if isinstance(layer, L.MultiHeadAttention)
     ]
     assert len(attention) == 2
-    assert all(a.input_names == ["query"] for a in attention)  # shared Q/DQ
+    for a in attention:  # the attention matmuls at their op sites
+        found, probs = attention_quantizers(a)
+        assert len(found) == 4 and probs & set(found), sorted(found)
     report = keras_mp.calibrate(qmodel, data, verbose=0)
     assert all(a > 0 for a in report.ranges.values())
     want = keras.ops.convert_to_numpy(model(data))
@@ -186,11 +187,13 @@ def test_cached_attention_gets_the_attention_qdq(tmp_path):
     model = keras.Model(inputs, attention(inputs, inputs))
     qmodel = keras_mp.quantize_model(model)
     layer = qmodel.model.get_layer("att")
-    assert twins.is_quantized(layer) and layer.input_names == ["query"]
-    assert len(layer.attention_quantizers) == 4
+    assert twins.is_quantized(layer)
+    found, probs = attention_quantizers(layer)
+    assert len(found) == 4 and probs & set(found), sorted(found)
     x = np.random.default_rng(0).standard_normal((16, 6, 8)).astype("float32")
     report = keras_mp.calibrate(qmodel, x, verbose=0)
-    assert report.ranges["att/attention_probs"] > 0
+    (probs,) = probs
+    assert report.ranges[f"att/{probs}"] > 0
     got = keras.ops.convert_to_numpy(qmodel(x))
     want = keras.ops.convert_to_numpy(model(x))
     assert 0 < np.linalg.norm(got - want) / np.linalg.norm(want) < 0.05
@@ -202,31 +205,27 @@ def test_cached_attention_gets_the_attention_qdq(tmp_path):
 
 def attention_quantizers(layer):
     """`{name: quantizer}` of the attention matmul inputs of a quantized
-    attention layer, and the names of its softmax outputs' quantizers:
-    the MultiHeadAttention twin's, or those of the op sites of a layer
-    reached at its ops (keras-hub's own attention classes)."""
-    if getattr(layer, "op_sites", None):
-        found = {k: q for k, q, weight in layer.site_quantizers() if not weight}
-        probs = set()
-        for k, site in enumerate(layer.op_sites):
-            for i, spec in enumerate(site["operands"]):
-                if spec["role"] == "probs":
-                    probs.add(f"{site['op']}_{k}/operand_{i}")
-            if site["op"] == "dot_product_attention":
-                probs.add(f"{site['op']}_{k}/probs")
-        return found, probs
-    names = getattr(layer, "matmul_inputs", ATTENTION_MATMUL_INPUTS)
-    return dict(zip(names, layer.attention_quantizers)), {"probs"}
+    attention layer (those of its op sites), and the names of its softmax
+    outputs' quantizers."""
+    found = {k: q for k, q, weight in layer.site_quantizers() if not weight}
+    probs = set()
+    for k, site in enumerate(layer.op_sites):
+        for i, spec in enumerate(site["operands"]):
+            if spec["role"] == "probs":
+                probs.add(f"{site['op']}_{k}/operand_{i}")
+        if site["op"] == "dot_product_attention":
+            probs.add(f"{site['op']}_{k}/probs")
+    return found, probs
 
 
 # One backbone per distinct way keras-hub writes attention
-# (docs/keras_hub.md): keras-hub's CachedMultiHeadAttention inside a
-# backbone (GPT-2: the MultiHeadAttention twin), and the classes reached at
-# their op sites: Llama's (Mistral, Qwen, Phi-3, ... share it), Gemma's
-# (query scaled first), T5's (relative position bias), DeBERTaV3's (two
-# position scores), T5Gemma's. Keras' MultiHeadAttention is BERT and ViT
-# above. Hidden 16, one layer: quantize and calibrate only; their exports
-# are in test_hub_attention.py and benchmarks/bench_hub.py.
+# (docs/keras_hub.md), each reached at its op sites: keras-hub's
+# CachedMultiHeadAttention inside a backbone (GPT-2), Llama's (Mistral,
+# Qwen, Phi-3, ... share it), Gemma's (query scaled first), T5's
+# (relative position bias), DeBERTaV3's (two position scores),
+# T5Gemma's. Keras' MultiHeadAttention is BERT and ViT above. Hidden 16,
+# one layer: quantize and calibrate only; their exports are in
+# test_hub_attention.py and benchmarks/bench_hub.py.
 ATTENTION_KINDS = {
     "GPT2Backbone": "CachedMultiHeadAttention",
     "LlamaBackbone": "LlamaAttention",
@@ -259,8 +258,7 @@ def test_every_attention_kind_gets_matmul_qdq(name):
     for layer in layers:  # DeBERTaV3: 6, its position query and key too
         found, probs = attention_quantizers(layer)
         assert len(found) >= 4 and probs & set(found), sorted(found)
-    op_level = [a for a in layers if getattr(a, "op_sites", None)]
-    assert bool(op_level) == (name != "GPT2Backbone")
+    assert all(a.op_sites for a in layers)  # one mechanism for all
     report = keras_mp.calibrate(qmodel, inputs_for(model, 16), verbose=0)
     assert all(a > 0 for a in report.ranges.values())
     rows = keras_mp.quantization_report(qmodel, verbose=False)

@@ -1,17 +1,51 @@
-"""The quantized twin of `keras.layers.MultiHeadAttention`.
+"""Load-only twins: `keras.layers.MultiHeadAttention` and `keras.layers.Dot`
+as releases before op-level quantization saved them.
 
-TensorRT's transformer placement (`docs/quantization.md`): one Q/DQ per
-distinct input tensor in front of the query, key and value projections, and
-Q/DQ on the inputs of both attention matmuls, with the scale multiply before
-the first one, so the exported graph shows the fused-attention pattern.
+Those releases gave a MultiHeadAttention one input Q/DQ per distinct call
+input (`input_quantizers`, named after `query`, `value`, `key`) and Q/DQ
+on its two attention matmuls (`attention_quantizers`), and a `Dot` a Q/DQ
+per input. Today both are quantized at their op sites
+(`quantization/op_sites.py`) like every other layer, and their
+projections quantize their own inputs. A record entry of such a layer
+saved without `sites` is applied with these twins and the rows they had
+(`LEGACY_ROWS`), so an old file loads with its ranges and computes what
+it computed; `quantize_model` never picks them.
 """
 
 import functools
 
 import keras
 
-from keras_mp import _keras
+from keras_mp.layer_table import ALL_INPUTS, LayerRow
 from keras_mp.quantization.twins import QuantizedLayer, _like, bind_call
+
+# The rows those releases had for the two layers.
+LEGACY_ROWS = (
+    (
+        keras.layers.MultiHeadAttention,
+        LayerRow(
+            inputs=ALL_INPUTS, quantizable=True, weighted=True, attention=True
+        ),
+    ),
+    (
+        keras.layers.Dot,
+        LayerRow(
+            inputs=ALL_INPUTS, quantizable=True, weighted=True, matmul=True
+        ),
+    ),
+)
+
+
+def legacy_row(layer, entry):
+    """The row an old record `entry` of `layer` was made with, or None when
+    the entry is today's (it has op `sites`) or the layer is of neither
+    kind."""
+    if "sites" in entry:
+        return None
+    return next(
+        (row for cls, row in LEGACY_ROWS if isinstance(layer, cls)), None
+    )
+
 
 # The inputs of a MultiHeadAttention call that feed its projections.
 ATTENTION_INPUTS = ("query", "value", "key")
@@ -101,7 +135,7 @@ class QuantizedAttention(QuantizedLayer):
                 **kwargs,
             )
         if use_causal_mask:
-            causal = _keras.causal_mask(self, query, value)
+            causal = self._compute_causal_mask(query, value)
             attention_mask = (
                 causal
                 if attention_mask is None
@@ -109,7 +143,7 @@ class QuantizedAttention(QuantizedLayer):
                     keras.ops.cast(attention_mask, "bool"), causal
                 )
             )
-        return _keras.einsum_attention(
+        return einsum_attention(
             self,
             query,
             key,
@@ -145,3 +179,94 @@ def attention_sources(arguments):
     else:
         sources["key"] = "query" if key is query else "key"
     return sources
+
+
+def einsum_attention(
+    layer, query, key, value, attention_mask, training, quantize
+):
+    """`MultiHeadAttention._compute_attention`'s einsum path, with a hook on
+    each input of the two attention matmuls.
+
+    Keras takes `ops.dot_product_attention` (no hook) for 4-D inputs with
+    dropout 0 and no attention scores; this always computes
+    `einsum(dot, key, query * scale)`, the masked softmax and
+    `einsum(combine, probs, value)`, as Keras does otherwise.
+
+    Args:
+        layer: the `MultiHeadAttention` (or a subclass, e.g. keras-hub's
+            `CachedMultiHeadAttention`).
+        query, key, value: the projected tensors, `(B, T, N, H)`.
+        attention_mask: boolean mask `(B, T, S)` or None.
+        training: bool or None, for the attention dropout.
+        quantize: dict of callables by `"query"` (the scaled query),
+            `"key"`, `"probs"` (the softmax output, after dropout) and
+            `"value"`.
+
+    Returns:
+        `(attention_output, attention_scores)`.
+    """
+    ops = keras.ops
+    query = ops.multiply(
+        query, ops.cast(layer._inverse_sqrt_key_dim, query.dtype)
+    )
+    scores = ops.einsum(
+        layer._dot_product_equation,
+        quantize["key"](key),
+        quantize["query"](query),
+    )
+    scores = layer._masked_softmax(scores, attention_mask)
+    probs = scores
+    if layer._dropout > 0.0:
+        probs = layer._dropout_layer(scores, training=training)
+    output = ops.einsum(
+        layer._combine_equation,
+        quantize["probs"](probs),
+        quantize["value"](value),
+    )
+    return output, scores
+
+
+class QuantizedDot(QuantizedLayer):
+    """The quantized twin of a `keras.layers.Dot` (or a subclass).
+
+    Both inputs get a Q/DQ (`input_indices` `[0, 1]`, set by the placement
+    unless `QuantizeConfig(dot=False)`); a `normalize=True` Dot quantizes
+    them after its l2-normalization, right before the matmul.
+    """
+
+    def call(self, inputs, **kwargs):
+        if not self.normalize:
+            return super().call(inputs, **kwargs)
+        # `_merge_function` quantizes, after normalizing.
+        return super(QuantizedLayer, self).call(inputs, **kwargs)
+
+    def _merge_function(self, inputs):
+        if not self.normalize or not self.input_quantizers:
+            return super()._merge_function(inputs)
+        axes = dot_axes(self.axes, inputs)
+        values = [
+            keras.utils.normalize(x, axis=a) for x, a in zip(inputs, axes)
+        ]
+        (values,), _ = self._quantize_inputs((values,), {})
+        # The float matmul of the normalized, quantized inputs: the float
+        # class normalizes only when `normalize` is set.
+        self.normalize = False
+        try:
+            return super()._merge_function(values)
+        finally:
+            self.normalize = True
+
+
+def dot_axes(axes, inputs):
+    """A Dot's `axes` as one non-negative axis per input, as Keras reads
+    them."""
+    if isinstance(axes, int):
+        axes = (axes, axes)
+    return [a % len(x.shape) for a, x in zip(axes, inputs)]
+
+
+# (layer class, load-only twin base), for `recipe.twin_class(legacy=True)`.
+LEGACY_TWINS = (
+    (keras.layers.MultiHeadAttention, QuantizedAttention),
+    (keras.layers.Dot, QuantizedDot),
+)
