@@ -17,6 +17,7 @@ import warnings
 import keras
 
 from keras_mp import _models, io
+from keras_mp._compat import require_tensorflow
 
 
 def contents(model):
@@ -176,6 +177,7 @@ class RecordedModel(keras.Model):
     """
 
     def __init__(self, model, **kwargs):
+        require_tensorflow(f"keras_mp.{type(self).__name__}")
         model = contents(model)
         inputs = _models.symbolic_inputs(model)
         super().__init__(inputs=inputs, outputs=model(inputs), **kwargs)
@@ -343,6 +345,7 @@ class RecordedModel(keras.Model):
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
+        require_tensorflow("Loading a keras_mp model")
         inner = keras.saving.deserialize_keras_object(
             config["model"], custom_objects=custom_objects
         )

@@ -3,6 +3,8 @@
 import importlib
 import platform
 
+import keras
+
 import keras_mp
 from keras_mp.mixed_precision.policy import resolve_auto_policy
 
@@ -36,6 +38,8 @@ def environment_info():
     return {
         "keras_mp": keras_mp.__version__,
         "keras": _version("keras"),
+        # keras_mp's training and export entry points need "tensorflow".
+        "keras backend": keras.config.backend(),
         "tensorflow": tf.__version__,
         "tf2onnx": _version("tf2onnx"),
         "onnx": _version("onnx"),

@@ -7,6 +7,7 @@ import tensorflow as tf
 from keras import ops
 
 from keras_mp import _keras
+from keras_mp._compat import require_tensorflow
 
 
 def _positive_float(name, value):
@@ -70,6 +71,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         name=None,
         **kwargs,
     ):
+        require_tensorflow("keras_mp.LossScaleOptimizer")
         if isinstance(inner_optimizer, keras.optimizers.LossScaleOptimizer):
             raise ValueError(
                 "`inner_optimizer` is already a LossScaleOptimizer; loss "

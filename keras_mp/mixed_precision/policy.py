@@ -8,6 +8,7 @@ import warnings
 import keras
 
 from keras_mp import _keras, _models, layer_table
+from keras_mp._compat import require_tensorflow
 
 POLICIES = ("mixed_float16", "mixed_bfloat16", "float32", "auto")
 
@@ -111,7 +112,9 @@ def enable_mixed_precision(policy="mixed_float16"):
         `"auto"` chose what it chose (empty otherwise).
 
     Raises:
-        ValueError: `policy` is not one of the names above.
+        ValueError: `policy` is not one of the names above, or is `"auto"`
+            on a Keras backend other than TensorFlow (it reads
+            TensorFlow's list of GPUs).
 
     Example:
 
@@ -125,6 +128,7 @@ def enable_mixed_precision(policy="mixed_float16"):
         )
     reason = ""
     if policy == "auto":
+        require_tensorflow('keras_mp.enable_mixed_precision("auto")')
         policy, reason = resolve_auto_policy()
     previous = keras.mixed_precision.global_policy().name
     keras.mixed_precision.set_global_policy(policy)
@@ -375,6 +379,7 @@ def set_tf32(enabled):
 
     >>> previous = keras_mp.set_tf32(False)
     """
+    require_tensorflow("keras_mp.set_tf32")
     import tensorflow as tf
 
     previous = tf.config.experimental.tensor_float_32_execution_enabled()

@@ -11,6 +11,7 @@ import keras
 import numpy as np
 
 from keras_mp import _models
+from keras_mp._compat import require_tensorflow
 from keras_mp.muppet.layers import unscale_recorded_gradients
 from keras_mp.muppet.model import fixed_point_layers, precision_state
 from keras_mp.muppet.policy import (
@@ -105,6 +106,7 @@ class PrecisionSwitching(keras.callbacks.Callback):
         hold_learning_rate=True,
         verbose=0,
     ):
+        require_tensorflow("keras_mp.PrecisionSwitching")
         super().__init__()
         self.schedule = check_schedule(schedule)
         self.resolution = _positive_int(resolution, "resolution")

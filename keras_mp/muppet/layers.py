@@ -15,6 +15,7 @@ import numpy as np
 from keras import ops
 
 from keras_mp import _keras
+from keras_mp._compat import require_tensorflow
 from keras_mp.muppet.quantizer import fixed_point_ste
 
 
@@ -158,6 +159,7 @@ class FixedPointWrapper(_RandomStateMixin, keras.layers.Wrapper):
     """
 
     def __init__(self, layer, seed=None, **kwargs):
+        require_tensorflow("keras_mp.FixedPointWrapper")
         super().__init__(layer, **kwargs)
         self._init_seed(seed)
         self._loss_scale = None
@@ -299,6 +301,7 @@ class FixedPointInput(_RandomStateMixin, keras.layers.Layer):
     """
 
     def __init__(self, seed=None, **kwargs):
+        require_tensorflow("keras_mp.FixedPointInput")
         super().__init__(**kwargs)
         self._init_seed(seed)
 
@@ -323,6 +326,13 @@ class FixedPointInput(_RandomStateMixin, keras.layers.Layer):
 
     def get_config(self):
         return {**super().get_config(), "seed": self.seed}
+
+    @classmethod
+    def from_config(cls, config):
+        # Keras rewraps an error of a layer's constructor as a TypeError
+        # about deserialization; refused here, the backend error stays one.
+        require_tensorflow("Loading a keras_mp model")
+        return super().from_config(config)
 
 
 @keras.saving.register_keras_serializable(package="keras_mp")

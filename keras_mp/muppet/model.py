@@ -9,6 +9,7 @@ import warnings
 import keras
 
 from keras_mp import _keras, _models, _record
+from keras_mp._compat import require_tensorflow
 from keras_mp.muppet import twins
 from keras_mp.muppet.layers import (
     FixedPointInput,
@@ -213,6 +214,7 @@ def fixed_point_model(model, seed=None, in_place=False):
     >>> fp = fixed_point_model(model)
     >>> fp.compile("sgd", "mse")
     """
+    require_tensorflow("keras_mp.fixed_point_model")
     _check(model, in_place)
     inner = (
         model if in_place else _models.copy_model(model, "fixed_point_model")

@@ -5,7 +5,7 @@ import dataclasses
 import os
 
 from keras_mp import _inputs as _inputs_mod
-from keras_mp._compat import optional_import
+from keras_mp._compat import optional_import, require_tensorflow
 from keras_mp._models import check_graph_model
 from keras_mp.onnx.compare_graph import Graph
 from keras_mp.onnx.compare_graph import run as run_onnx
@@ -213,6 +213,7 @@ def compare_onnx(
     >>> report = keras_mp.compare_onnx(qmodel, "model.onnx", x_test[:64])
     >>> print(report.first_divergence)
     """
+    require_tensorflow("keras_mp.compare_onnx")
     onnx = optional_import("onnx")
     check_graph_model(
         model,

@@ -9,7 +9,7 @@ import warnings
 import numpy as np
 
 from keras_mp import _inputs
-from keras_mp._compat import optional_import
+from keras_mp._compat import optional_import, require_tensorflow
 from keras_mp._models import check_model
 from keras_mp.io import atomic_path
 from keras_mp.onnx import fp16 as onnx_fp16
@@ -280,6 +280,7 @@ def export_onnx(
 
     >>> keras_mp.export_onnx(qmodel, "model.onnx", verify_data=x_test[:1000])
     """
+    require_tensorflow("keras_mp.export_onnx")
     optional_import("tf2onnx")
     onnx = optional_import("onnx")
     opset_given = opset is not None
@@ -448,6 +449,7 @@ def export_saved_model(model, path, overwrite=False, verify_data=None):
     Returns:
         The max absolute difference on `verify_data`, or None.
     """
+    require_tensorflow("keras_mp.export_saved_model")
     import tensorflow as tf
 
     path = os.fspath(path)

@@ -26,6 +26,7 @@ import warnings
 import numpy as np
 
 from keras_mp import _inputs, _models
+from keras_mp._compat import require_tensorflow
 from keras_mp.precision import cost as cost_model
 from keras_mp.precision.reports import AutoQuantizeReport, Choice
 from keras_mp.precision.sensitivity import (
@@ -114,6 +115,7 @@ def auto_quantize(
     ...     model, x_val, y_val, max_drop=0.005, gpu="L40S")
     >>> print(report)
     """
+    require_tensorflow("keras_mp.auto_quantize")
     start = time.perf_counter()
     caller = "auto_quantize"
     _models.check_model(model, caller)

@@ -31,6 +31,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_mp import _inputs, _keras, _models, _record
+from keras_mp._compat import require_tensorflow
 from keras_mp.precision import cost as cost_model
 from keras_mp.precision.reports import SensitivityReport, SensitivityRow
 from keras_mp.quantization import twins
@@ -109,6 +110,7 @@ def layer_sensitivity(
     >>> report = keras_mp.layer_sensitivity(model, x[:512], y[:512])
     >>> print(report)
     """
+    require_tensorflow("keras_mp.layer_sensitivity")
     report, _ = score_layers(
         model,
         data,

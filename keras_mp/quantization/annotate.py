@@ -11,6 +11,7 @@ where the Q/DQ go is `placement.py`'s decision.
 import keras
 
 from keras_mp import _models
+from keras_mp._compat import require_tensorflow
 from keras_mp.quantization import inplace
 from keras_mp.quantization.config import QuantizeConfig
 from keras_mp.quantization.layers import quantizable_row
@@ -121,6 +122,7 @@ def quantize_apply(model):
             cannot be copied.
         TypeError: a tf_keras or non-Keras model.
     """
+    require_tensorflow("keras_mp.quantize_apply")
     _check_float_model(model, "quantize_apply")
     return inplace.quantize_in_place(model, annotated=True)
 
@@ -169,6 +171,7 @@ def quantize_model(
     >>> keras_mp.calibrate(qmodel, x_train[:2048], method="entropy")
     >>> qmodel.compile(...); qmodel.fit(...)  # optional QAT
     """
+    require_tensorflow("keras_mp.quantize_model")
     _check_float_model(model, "quantize_model")
     default = QuantizeConfig(precision=precision or "int8")
     return inplace.quantize_in_place(

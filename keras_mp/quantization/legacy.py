@@ -16,6 +16,7 @@ import keras
 import tensorflow as tf
 
 from keras_mp import _models, layer_table
+from keras_mp._compat import require_tensorflow
 from keras_mp.layer_table import ALL_INPUTS, NO_INPUTS
 from keras_mp.quantization.config import QuantizeConfig
 from keras_mp.quantization.layers import QuantizeActivation, quantizable_row
@@ -112,6 +113,7 @@ class QuantizeWrapper(keras.layers.Wrapper):
         pointwise_input=None,
         **kwargs,
     ):
+        require_tensorflow("keras_mp.QuantizeWrapper")
         row = quantizable_row(layer)
         if row is None:
             supported = ", ".join(layer_table.quantizable_names())

@@ -16,6 +16,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_mp import _keras
+from keras_mp._compat import require_tensorflow
 from keras_mp.quantization.formats import FORMATS, number_format
 from keras_mp.quantization.quantizers import (
     channel_amax,
@@ -90,6 +91,7 @@ class TensorQuantizer(keras.layers.Layer):
         fixed_range=None,
         **kwargs,
     ):
+        require_tensorflow(f"keras_mp.{type(self).__name__}")
         # Float32 math under mixed precision: a range or a scale rounded
         # to float16 is not the one the export writes.
         kwargs.setdefault("dtype", "float32")

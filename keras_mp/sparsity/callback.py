@@ -5,6 +5,7 @@ import warnings
 import keras
 
 from keras_mp import _keras, _models, _record
+from keras_mp._compat import require_tensorflow
 from keras_mp.sparsity.masks import (
     SCHEDULES,
     SparsityMask,
@@ -112,6 +113,7 @@ class StructuredSparsity(keras.callbacks.Callback):
         skip_unaligned=False,
         verbose=0,
     ):
+        require_tensorflow("keras_mp.StructuredSparsity")
         super().__init__()
         check_m_n(m, n)
         if schedule not in SCHEDULES:
