@@ -250,20 +250,18 @@ TABLE = {
     L.Add: LayerRow(inputs=SKIP_INPUTS, quantizable=True),
     L.Concatenate: _CONCAT,
     L.Dot: _DOT,
-    L.MaxPooling2D: _POOL,
-    L.AveragePooling2D: _POOL,
-    L.GlobalAveragePooling2D: _POOL,
+    # every pooling of every rank: one role, so `quantize_inputs=True`
+    # means the same on each
     **dict.fromkeys(
         (
-            L.MaxPooling1D,
-            L.MaxPooling3D,
-            L.AveragePooling1D,
-            L.AveragePooling3D,
-            L.GlobalAveragePooling1D,
-            L.GlobalAveragePooling3D,
-            L.GlobalMaxPooling1D,
-            L.GlobalMaxPooling2D,
-            L.GlobalMaxPooling3D,
+            getattr(L, f"{kind}Pooling{rank}D")
+            for kind in ("Max", "Average", "GlobalMax", "GlobalAverage")
+            for rank in (1, 2, 3)
+        ),
+        _POOL,
+    ),
+    **dict.fromkeys(
+        (
             L.Activation,
             L.ReLU,
             L.LeakyReLU,
