@@ -182,7 +182,9 @@ def _float_qdq(fmt, x, amax, axis, narrow_range):
     """`cast(clip(x / scale, -qmax, qmax), storage) * scale`, `scale =
     amax / qmax`: ONNX's QuantizeLinear (saturating, round to nearest even)
     and DequantizeLinear to a float type, bit for bit, eagerly, in a
-    `tf.function` and under XLA."""
+    `tf.function` and under XLA (with a range that is not a graph constant,
+    as a quantizer's variable: Grappler and XLA would turn `x / scale` by a
+    constant scale into a product too)."""
     del narrow_range  # a float grid is symmetric
     scale = _broadcast(_scale(fmt, amax), x, axis)
     q = tf.clip_by_value(x / scale, -fmt.qmax, fmt.qmax)
