@@ -163,12 +163,30 @@ def _broadcast(amax, x, axis):
     return tf.reshape(amax, shape)
 
 
+def _scale(fmt, amax):
+    """`amax / qmax` rounded once to float32, the scale `NumberFormat.scale`
+    gives the export, also in a `tf.function` and under XLA.
+
+    Grappler's constant folding and XLA turn a division by a constant into
+    a multiplication by its reciprocal, which rounds twice: in float32 the
+    scale would often be one unit in the last place off the file's, and a
+    value near a rounding tie would take the other code. In float64 the
+    twice-rounded quotient is within 2**-52 of the exact one, and a float32
+    divided by a float32 is a float32 or lies at least 2**-49 (relative)
+    from a float32 tie: it rounds to the same float32 as the exact one.
+    """
+    return tf.cast(tf.cast(amax, tf.float64) / fmt.qmax, tf.float32)
+
+
 def _float_qdq(fmt, x, amax, axis, narrow_range):
     """`cast(clip(x / scale, -qmax, qmax), storage) * scale`, `scale =
     amax / qmax`: ONNX's QuantizeLinear (saturating, round to nearest even)
-    and DequantizeLinear to a float type, bit for bit."""
+    and DequantizeLinear to a float type, bit for bit, eagerly, in a
+    `tf.function` and under XLA (with a range that is not a graph constant,
+    as a quantizer's variable: Grappler and XLA would turn `x / scale` by a
+    constant scale into a product too)."""
     del narrow_range  # a float grid is symmetric
-    scale = _broadcast(amax / fmt.qmax, x, axis)
+    scale = _broadcast(_scale(fmt, amax), x, axis)
     q = tf.clip_by_value(x / scale, -fmt.qmax, fmt.qmax)
     codes = tf.cast(q, tf.dtypes.as_dtype(fmt.storage))
     return tf.cast(codes, tf.float32) * scale

@@ -3,11 +3,13 @@ DequantizeLinear feeds the GEMM, ONNX Runtime parity on trained networks
 (scikit-learn's digits), INT8 and FP8 mixed in one graph."""
 
 import os
+import re
 
 import keras
 import numpy as np
 import onnx
 import pytest
+import tensorflow as tf
 
 import keras_mp
 from keras_mp.onnx.errors import ExportError
@@ -192,3 +194,67 @@ def test_fp8_in_a_float16_strongly_typed_graph(trained, tmp_path):
         i.data_type for i in proto.graph.initializer
     }
     assert keras_mp.check_tensorrt(path).ok
+
+
+def _file_weights(path):
+    """`{initializer name: DequantizeLinear(codes)}` of the FP8 weights in
+    the ONNX file (numpy: codes times the scale along the node's axis)."""
+    proto = onnx.load(path)
+    inits = {i.name: i for i in proto.graph.initializer}
+    weights = {}
+    for node in proto.graph.node:
+        codes = inits.get(node.input[0])
+        if node.op_type != "DequantizeLinear" or codes is None:
+            continue
+        if codes.data_type != FP8:
+            continue
+        array = onnx.numpy_helper.to_array
+        scale = array(inits[node.input[1]])
+        axis = next((a.i for a in node.attribute if a.name == "axis"), 1)
+        shape = [1] * len(codes.dims)
+        if scale.ndim:
+            shape[axis] = -1
+        values = array(codes).astype(np.float32)
+        weights[codes.name] = values * scale.reshape(shape)
+    return weights
+
+
+def test_fp8_eager_traced_xla_and_onnx_round_alike(tmp_path):
+    """Issue 34: Grappler folded `amax / 448` into a product by the
+    reciprocal, so a traced FP8 model (predict, fit, the parity reference)
+    used scales a float32 step off the eager model's and the file's."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8, 8, 16))
+    x = keras.layers.Conv2D(32, 3, padding="same", activation="relu")(inputs)
+    x = keras.layers.Conv2D(32, 3, activation="relu", name="body")(x)
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    x = keras.layers.Dense(32, activation="relu", name="fc")(x)
+    model = keras.Model(inputs, keras.layers.Dense(16)(x))
+    data = np.random.default_rng(0).random((32, 8, 8, 16)).astype("float32")
+    qmodel = _fp8(model, data)
+    eager = qmodel(data).numpy()
+    np.testing.assert_array_equal(tf.function(qmodel)(data), eager)
+    np.testing.assert_array_equal(qmodel.predict(data, verbose=0), eager)
+    # XLA's own GEMMs round differently: its FP8 weights must not
+    xla = tf.function(qmodel, jit_compile=True)(data).numpy()
+    assert np.linalg.norm(xla - eager) <= 1e-6 * np.linalg.norm(eager)
+
+    path = str(tmp_path / "fp8.onnx")
+    with pytest.warns(UserWarning, match="opset 19"):
+        report = keras_mp.export_onnx(qmodel, path, verify_data=data)
+    assert report.rel_l2 <= 1e-6, report
+    in_file = _file_weights(path)
+    for name, layout in [("body", (3, 2, 0, 1)), ("fc", (0, 1))]:
+        layer = qmodel.get_layer(name)
+        assert layer.weight_quantizers[0].format.name == "fp8"
+        # tf2onnx names a weight after its op's scope: ".../body_1/..."
+        (key,) = [k for k in in_file if re.search(rf"/{name}(_\d+)?/", k)]
+
+        def weight(layer=layer):
+            return layer.weight_quantizers[0](layer.kernel)
+
+        want = np.transpose(weight().numpy(), layout)
+        np.testing.assert_array_equal(in_file[key], want)
+        for jit in (False, True):
+            got = tf.function(weight, jit_compile=jit)().numpy()
+            np.testing.assert_array_equal(np.transpose(got, layout), want)

@@ -39,6 +39,123 @@ def test_fp8_rounding_is_e4m3_bit_for_bit_and_saturates():
     np.testing.assert_array_equal(xla.numpy(), got)
 
 
+FLOAT_FORMATS = [row for row in FORMATS.values() if row.kind == "float"]
+
+
+def _onnx_qdq(fmt, x, scale, axis):
+    """`x` through ONNX's QuantizeLinear (saturate=1) and DequantizeLinear
+    to `fmt`'s type, by ONNX's reference evaluator and by ONNX Runtime."""
+    pytest.importorskip("onnx")
+    ort = pytest.importorskip("onnxruntime")
+    from onnx import TensorProto, helper, numpy_helper
+    from onnx.reference import ReferenceEvaluator
+
+    zero = np.zeros(np.shape(scale), fmt.storage)
+    nodes = [
+        helper.make_node(
+            "QuantizeLinear", ["x", "s", "z"], ["q"], axis=axis, saturate=1
+        ),
+        helper.make_node("DequantizeLinear", ["q", "s", "z"], ["y"], axis=axis),
+    ]
+    value = lambda n: helper.make_tensor_value_info(  # noqa: E731
+        n, TensorProto.FLOAT, x.shape
+    )
+    graph = helper.make_graph(
+        nodes,
+        "qdq",
+        [value("x")],
+        [value("y")],
+        [
+            numpy_helper.from_array(scale, "s"),
+            numpy_helper.from_array(zero, "z"),
+        ],
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", fmt.min_opset)]
+    )
+    session = ort.InferenceSession(
+        model.SerializeToString(), providers=["CPUExecutionProvider"]
+    )
+    return [
+        session.run(None, {"x": x})[0],
+        ReferenceEvaluator(model).run(None, {"x": x})[0],
+    ]
+
+
+def _sweep(fmt):
+    """Values in units of the scale: every finite code, the ties between
+    neighbours and a float32 step either side of them, values beyond the
+    largest code, +-inf, NaN, +-0 and float32 subnormals."""
+    uint = f"uint{8 * np.dtype(fmt.storage).itemsize}"
+    codes = np.arange(2**fmt.bits).astype(uint).view(fmt.storage)
+    grid = np.unique(codes.astype(np.float32))
+    grid = grid[np.isfinite(grid)]
+    ties = (grid[1:] + grid[:-1]) / 2
+    up = np.nextafter(ties, np.float32(np.inf))
+    down = np.nextafter(ties, np.float32(-np.inf))
+    edges = np.float32(fmt.qmax) * np.float32([1.03, 1.07, 1.5, 1e6])
+    special = [np.inf, np.nan, 0.0, 1e-45, 1e-39]
+    x = np.concatenate([grid, ties, up, down, edges, np.float32(special)])
+    return np.concatenate([x, -x]).astype(np.float32)
+
+
+def _ranges(fmt):
+    """Ranges whose float32 scale `amax / qmax` differs from `amax * (1 /
+    qmax)` (what Grappler and XLA made of the division), and two exact
+    ones: scale 1 (ties exact) and a power of two."""
+    amax = np.random.default_rng(0).uniform(1e-3, 1e3, 64).astype(np.float32)
+    product = amax * np.float32(1 / np.float64(fmt.qmax))
+    rewritten = amax[product != fmt.scale(amax)][:4]
+    assert len(rewritten) == 4
+    exact = np.float32(fmt.qmax) * np.float32([1.0, 2.0**-12])
+    return np.concatenate([exact, rewritten])
+
+
+def _same_bits(got, want):
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.dtype == want.dtype
+    nan = np.isnan(want.astype(np.float32))
+    np.testing.assert_array_equal(np.isnan(got.astype(np.float32)), nan)
+    uint = f"uint{8 * got.dtype.itemsize}"
+    np.testing.assert_array_equal(got[~nan].view(uint), want[~nan].view(uint))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("fmt", FLOAT_FORMATS, ids=lambda f: f.name)
+def test_float_rounding_is_onnx_bit_for_bit_eager_traced_and_under_xla(
+    fmt, dtype
+):
+    """Grappler's constant folding and XLA turned `amax / qmax` into a
+    product by the reciprocal, a scale often one float32 step off the one
+    the export writes: a traced model took the other code at near ties."""
+    amax = _ranges(fmt)
+    sweep = _sweep(fmt)
+    # one column per range, quantized per channel; the last one per tensor
+    x = (sweep[:, None] * fmt.scale(amax)).astype(np.float32)
+    x = tf.cast(x, dtype).numpy()
+    wide = x.astype(np.float32)
+    per_channel = _onnx_qdq(fmt, wide, fmt.scale(amax), axis=1)
+    per_tensor = _onnx_qdq(fmt, wide[:, -1], fmt.scale(amax[-1]), axis=0)
+    channels, scalar = tf.Variable(amax), tf.Variable(amax[-1])
+
+    def both(v):
+        return (
+            fake_quant(v, channels, axis=1, format=fmt),
+            fake_quant(v[:, -1], scalar, format=fmt),
+        )
+
+    runs = {
+        "eager": both(tf.constant(x)),
+        "tf.function": tf.function(both)(tf.constant(x)),
+        "xla": tf.function(both, jit_compile=True)(tf.constant(x)),
+    }
+    for got_channels, got_tensor in runs.values():
+        for want in per_channel:
+            _same_bits(got_channels.numpy(), want.astype(x.dtype))
+        for want in per_tensor:
+            _same_bits(got_tensor.numpy(), want.astype(x.dtype))
+
+
 def test_fp8_gradient_is_straight_through_inside_the_range():
     x = tf.constant([-20.0, -5.0, 0.3, 5.0, 20.0])
     with tf.GradientTape() as tape:
