@@ -21,7 +21,7 @@ import keras
 
 from keras_mp import _keras, layer_table
 from keras_mp.layer_table import ALL_INPUTS, NO_INPUTS, SKIP_INPUTS
-from keras_mp.quantization import op_sites
+from keras_mp.quantization import op_probe
 from keras_mp.quantization.layers import quantizable_row
 
 # How TensorRT treats the non-weighted ops around a Q/DQ (TensorRT Developer
@@ -266,7 +266,7 @@ def site_float(site, config, row=None):
     for spec in site["operands"]:
         if spec["role"] != "weight":
             continue
-        k, n = op_sites.gemm_size(spec["shape"], spec["axes"])
+        k, n = op_probe.gemm_size(spec["shape"], spec["axes"])
         if min(k, n) < MIN_GEMM_DIM and not config.small_gemms:
             return (
                 f"GEMM with K={k}, N={n}: no Q/DQ below {MIN_GEMM_DIM} "

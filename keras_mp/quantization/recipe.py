@@ -15,7 +15,7 @@ import keras
 import numpy as np
 
 from keras_mp import _inputs, _keras, _models
-from keras_mp.quantization import legacy_twins, op_sites, placement
+from keras_mp.quantization import legacy_twins, op_probe, op_sites, placement
 from keras_mp.quantization.config import QuantizeConfig
 from keras_mp.quantization.layers import QuantizeActivation, quantizable_row
 from keras_mp.quantization.twins import QuantizedLayer, WeightQuantizer
@@ -149,7 +149,7 @@ def attach(layer, row, config, inputs, path, calls=1, sites=(), site_attr=None):
         calls: int. How many calls of the layer one input range covers
             (a shared layer: more than one).
         sites: list of dicts. The op sites of the layer's own code
-            (`op_sites.probe`), each with a Q/DQ per operand role.
+            (`op_probe.probe`), each with a Q/DQ per operand role.
         site_attr: str or None. The attribute that tracks the sites'
             quantizers (the saved files' name for them): `op_quantizers`
             by default.
@@ -408,17 +408,17 @@ def make_recipe(structure, choices):
 
 
 def _probe(structure, walked, choices, others):
-    """Runs `structure` once on zeros (`op_sites.probe`) with every chosen
+    """Runs `structure` once on zeros (`op_probe.probe`) with every chosen
     layer recording its calls and the layers of `others` their op sites.
 
     Returns:
-        `((sites, changed), calls)`: `op_sites.probe`'s sites and changed
+        `((sites, changed), calls)`: `op_probe.probe`'s sites and changed
         calls by layer id, and `{id(layer): number of calls}` (empty when
         the model cannot run on zeros: a warning says what stays float).
     """
     try:
         sample = _zeros_like_inputs(structure)
-        sites, changed, calls = op_sites.probe(
+        sites, changed, calls = op_probe.probe(
             lambda: structure(sample, training=False),
             [walked[i][0] for i in choices],
             [walked[i][0] for i in others],
