@@ -165,12 +165,32 @@ def _scopes(node):
 
 
 def _adopted(nodes):
-    """Scopes for the recurrent ops tf2onnx named after no scope
-    (`LSTM__33`): those of the scoped nodes they read from and feed,
-    reached through unscoped nodes (the Unsqueeze of an initial state,
-    the Squeeze and Slice of a direction, a Q/DQ moved next to it), by
-    node index."""
+    """Scopes for the nodes tf2onnx named after no scope, by node index.
+
+    A recurrent op (`LSTM__33`) takes those of the scoped nodes it reads
+    from and feeds, reached through unscoped nodes (the Unsqueeze of an
+    initial state, the Squeeze and Slice of a direction, a Q/DQ moved next
+    to it). Any other unscoped node (the MatMuls, Reshapes and Squeezes
+    tf2onnx decomposes an `Einsum` into, a Q/DQ it inserted) takes those
+    of the scoped nodes it reads from, through unscoped nodes: the output
+    of a layer whose last op is an einsum is then among its scope's
+    tensors."""
     nodes = list(nodes)
+    found = _adopted_recurrent(nodes)
+    carried = {}  # tensor -> scopes of the nearest scoped producers
+    for index, node in enumerate(nodes):
+        own = _scopes(node) or found.get(index)
+        if own is None:
+            own = set().union(*(carried.get(i, ()) for i in node.input))
+            if own:
+                found[index] = own
+        for out in node.output:
+            carried[out] = own
+    return found
+
+
+def _adopted_recurrent(nodes):
+    """`_adopted` for the recurrent ops named after no scope."""
     producers = {o: n for n in nodes for o in n.output}
     consumers = {}
     for node in nodes:

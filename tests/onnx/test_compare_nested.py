@@ -65,17 +65,18 @@ def test_vit_inner_layers_are_compared_one_by_one(vit_export):
     block = f"{root}/vit_encoder/transformer_block_2"
     for inner in ("mha/query", "mlp/dense_1", "ln_2"):
         assert f"{block}/{inner}" in names
-    # MultiHeadAttention names its Softmax from Keras' per-process counter
-    assert any(n.startswith(f"{block}/mha/softmax") for n in names), names
+    # the attention's op-site Q/DQ (Keras' `dot_product_attention` path)
+    assert f"{block}/mha/mha_dot_product_attention_0_probs" in names, names
     # every quantized twin and every activation Q/DQ has a row
     quantized = [
         r for r in report.rows if r.kind.startswith("Quantized")
     ]  # patch conv, 2 x (Q, K, V, output, 2 MLP Dense), 2 attention
     assert len(quantized) == len(twins.quantized_layers(qmodel)) == 15
-    # 1 patch input, 2 x (attention input, its 4 matmul inputs, the
-    # output projection's and both MLP Dense inputs)
+    # 1 patch input, 2 x (the Q, K and V projections' inputs, the 4
+    # attention matmul inputs, the output projection's and both MLP Dense
+    # inputs); the three projection inputs are one ONNX Q/DQ
     qdqs = [r for r in report.rows if r.kind == "QuantizeActivation"]
-    assert len(qdqs) == 17 and all(r.steps is not None for r in qdqs)
+    assert len(qdqs) == 21 and all(r.steps is not None for r in qdqs)
     assert len(qdqs) == sum(
         isinstance(layer, keras_mp.QuantizeActivation)
         for layer in _models.walk_layers(qmodel, owned=True)
@@ -88,9 +89,10 @@ def test_vit_inner_layers_are_compared_one_by_one(vit_export):
     listed = {n.split(" (call")[0] for n in names}
     listed |= {n for n, _ in report.unmatched}
     assert listed == reached
-    # MultiHeadAttention's Dropout is named from Keras' per-process counter
+    # MultiHeadAttention's Dropout and Softmax are named from Keras'
+    # per-process counter; its `dot_product_attention` path calls neither
     unmatched = {
-        re.sub(r"/mha/dropout(_\d+)?$", "/mha/dropout", n).replace(
+        re.sub(r"/mha/(dropout|softmax)(_\d+)?$", r"/mha/\1", n).replace(
             root, "vi_t_backbone", 1
         ): why
         for n, why in report.unmatched
@@ -101,6 +103,12 @@ def test_vit_inner_layers_are_compared_one_by_one(vit_export):
             "not called when the model runs at inference"
         ),
         "vi_t_backbone/vit_encoder/transformer_block_2/mha/dropout": (
+            "not called when the model runs at inference"
+        ),
+        "vi_t_backbone/vit_encoder/transformer_block_1/mha/softmax": (
+            "not called when the model runs at inference"
+        ),
+        "vi_t_backbone/vit_encoder/transformer_block_2/mha/softmax": (
             "not called when the model runs at inference"
         ),
         "vi_t_backbone/vit_patching_and_embedding/position_embedding": (

@@ -259,14 +259,6 @@ def test_register_twin_refuses_what_is_not_a_twin():
         keras_mp.register_twin("Scaled", ClippedScaled)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="compare_onnx matches the experts layer's output to another "
-    "tensor of its shape in the layer's ONNX scope (the router's input "
-    "Reshape): tf2onnx renames the output of the gate-combining einsum "
-    "and the right tensor is not among the candidates; the export itself "
-    "is correct (ONNX Runtime parity 3e-5)",
-)
 def test_compare_onnx_finds_no_divergence_in_the_experts_layer(tmp_path):
     model = _model("experts")
     qmodel = keras_mp.quantize_model(model)
