@@ -13,14 +13,16 @@ stores those weights in that type. `docs/export.md` ("FP8").
 
 import numpy as np
 
+from keras_mp import _record
 from keras_mp._compat import optional_import
+from keras_mp.onnx.convert import keras_layer_path
 from keras_mp.onnx.errors import ExportError
 from keras_mp.onnx.graph import (
     FLOAT,
-    LAYOUT_OPS,
     QDQ_OPS,
     UINT8,
     attr,
+    reads,
     subgraphs,
     walk,
 )
@@ -31,8 +33,9 @@ _MATCH_RTOL = 1e-5
 
 
 def carrier_quantizers(model):
-    """`(description, format, exported scale)` of each enabled quantizer
-    of `model` whose format the export writes through a carrier."""
+    """`(description, format, exported scale, layer name)` of each enabled
+    quantizer of `model` whose format the export writes through a
+    carrier."""
     from keras_mp.quantization.quantizers import MIN_AMAX
     from keras_mp.quantization.twins import quantizers
 
@@ -43,19 +46,19 @@ def carrier_quantizers(model):
             continue
         amax = np.asarray(q.quantizer.amax.numpy(), np.float32)
         scale = fmt.scale(np.maximum(amax, np.float32(MIN_AMAX)))
-        rows.append((q.name, fmt, np.atleast_1d(scale)))
+        rows.append((q.name, fmt, np.atleast_1d(scale), q.layer.name))
     return rows
 
 
 def min_opset(model):
     """The lowest opset that holds every format `model`'s quantizers use."""
     return max(
-        (fmt.min_opset for _, fmt, _ in carrier_quantizers(model)), default=0
+        (row[1].min_opset for row in carrier_quantizers(model)), default=0
     )
 
 
 def _match(scale, candidates):
-    """The candidate `(description, format, scale)` nearest `scale`, or
+    """The candidate (a `carrier_quantizers` row) nearest `scale`, or
     None when none is within `_MATCH_RTOL`."""
     scale = np.atleast_1d(np.asarray(scale, np.float32))
     best, best_err = None, _MATCH_RTOL
@@ -81,7 +84,9 @@ def retype_carriers(model_proto, model):
         The names of the quantizers whose Q/DQ were retyped.
 
     Raises:
-        ExportError: a carrier Q/DQ matches no quantizer of `model`.
+        ExportError: a carrier Q/DQ matches no quantizer of `model`, or
+            its FP8 codes reach an op that cannot take them
+            (`_move_qs_to_dqs`).
     """
     onnx = optional_import("onnx")
     numpy_helper = onnx.numpy_helper
@@ -90,7 +95,7 @@ def retype_carriers(model_proto, model):
     for _node, owner, _ in walk(model_proto.graph):
         for init in owner.initializer:
             inits.setdefault(init.name, init)
-    done, retyped, codes = set(), [], {}
+    done, retyped, codes, owners = set(), [], {}, {}
     for node, _, _ in walk(model_proto.graph):
         if node.op_type not in QDQ_OPS or len(node.input) < 3:
             continue
@@ -112,7 +117,7 @@ def retype_carriers(model_proto, model):
                 "after calibration, or does it use a TensorFlow "
                 "QuantizeAndDequantize op of its own? Nothing was written."
             )
-        description, fmt, scale = match
+        description, fmt, scale, layer = match
         if node.input[1] not in done:
             shape = tuple(scale_init.dims)
             scale_init.CopyFrom(
@@ -127,9 +132,10 @@ def retype_carriers(model_proto, model):
             codes[node.output[0]] = onnx.TensorProto.DataType.Value(
                 fmt.onnx_type
             )
+            owners[node.output[0]] = (description, layer)
         if description not in retyped:
             retyped.append(description)
-    _dq_after_layout(model_proto.graph, set(codes))
+    _move_qs_to_dqs(model_proto.graph, owners, model)
     graphs = [model_proto.graph] + [
         sub for n, _, _ in walk(model_proto.graph) for sub in subgraphs(n)
     ]
@@ -140,95 +146,191 @@ def retype_carriers(model_proto, model):
     return retyped
 
 
-def _dq_after_layout(graph, codes):
-    """Moves each QuantizeLinear writing one of `codes` past the layout ops
-    tf2onnx put between it and its DequantizeLinear (`Q -> Transpose ->
-    DQ` becomes `Transpose -> Q -> DQ`, one Q per DQ reached): ONNX types
-    Transpose, Reshape, ... for FP8 only from opset 21, and TensorRT wants
-    each Q next to its DQ. Activation Q/DQ are per tensor, so the move
-    changes no value."""
-    consumers = {}
+def _move_qs_to_dqs(graph, owners, model):
+    """Moves the FP8 QuantizeLinears of `graph` and of its subgraphs
+    (`owners` maps their outputs to their quantizers) to the
+    DequantizeLinears they feed.
+
+    tf2onnx's optimizer moves a Q back across ops that only move values
+    (`_moved_inputs`: Reshape, Transpose, Unsqueeze, Gather, Slice, a
+    Concat of Qs of one scale; DLRM's interactions), so those ops take the
+    codes. ONNX types FP8 at opset 19 in Q/DQ, Reshape, Identity and Cast
+    only (Transpose, Squeeze, Unsqueeze, Flatten from opset 21; Concat,
+    Gather, Slice, Split, Tile, Expand at no opset up to 28, onnx 1.23),
+    and TensorRT wants each Q next to its DQ. The Qs whose codes meet (at
+    a Concat) move as one group: the ops between them and their DQs run on
+    the float values, and one Q per DQ reached, of the group's one
+    per-tensor scale, quantizes what the op wrote. Rounding and moving
+    commute, so no value changes.
+
+    Raises:
+        ExportError: codes reach an op that computes with them, or a group
+            cannot move (per channel, or a Concat of different scales),
+            naming the Keras layer, the op and the quantizer.
+    """
+    _sort(graph)
+    readers = {}
     for node in graph.node:
-        for name in node.input:
-            consumers.setdefault(name, []).append(node)
-    floats = set()  # layout outputs that now carry float values
-    for q in [n for n in graph.node if n.op_type == "QuantizeLinear"]:
-        if q.output[0] not in codes or attr(q, "axis", None) is not None:
+        for name in reads(node):
+            readers.setdefault(name, []).append(node)
+    qs = {
+        n.output[0]: n
+        for n in graph.node
+        if n.op_type == "QuantizeLinear" and n.output[0] in owners
+    }
+    group = {name: name for name in qs}  # union-find over code tensors
+
+    def find(name):
+        while group[name] != name:
+            group[name] = group[group[name]]
+            name = group[name]
+        return name
+
+    movers = []
+    for node in graph.node:  # topological order: codes flow forwards
+        read = [
+            node.input[i] for i in _moved_inputs(node) if node.input[i] in group
+        ]
+        if not read:
             continue
-        found = _layout_tree(q.output[0], consumers)
-        if found is None:
-            continue
-        layouts, dqs = found
-        for node in layouts:
-            if node.input[0] == q.output[0]:
-                node.input[0] = q.input[0]
-            floats.add(node.output[0])
-        for i, dq in enumerate(d for d in dqs if d.input[0] != q.output[0]):
-            moved = graph.node.add()
-            moved.CopyFrom(q)
-            moved.name = f"{q.name}_moved_{i}"
-            moved.input[0] = dq.input[0]
-            moved.output[0] = f"{q.output[0]}_moved_{i}"
-            dq.input[0] = moved.output[0]
-        if not any(q.output[0] in n.input for n in graph.node if n is not q):
-            graph.node.remove(q)
-    for info in graph.value_info:
-        if info.name in floats:
+        movers.append(node)
+        for name in [*read[1:], *(o for o in node.output if o)]:
+            group.setdefault(name, name)
+            group[find(name)] = find(read[0])
+    members = {}
+    for name in group:
+        members.setdefault(find(name), set()).add(name)
+    floats, removed = set(), set()
+    for tensors in members.values():
+        roots = [qs[name] for name in sorted(tensors) if name in qs]
+        moving = [n for n in movers if n.output[0] in tensors]
+        blocked = _blocker(graph, tensors, roots, moving, readers)
+        if blocked is not None:
+            raise _fp8_error(*blocked, owners[roots[0].output[0]], model)
+        if moving:
+            floats |= tensors - set(qs)
+            removed |= _move(graph, tensors, roots, moving, readers)
+    for info in list(graph.value_info):
+        if info.name in removed:
+            graph.value_info.remove(info)
+        elif info.name in floats:
             info.type.tensor_type.elem_type = FLOAT
     _sort(graph)
-    _check_fp8_consumers(graph, codes)
-
-
-def _check_fp8_consumers(graph, codes):
-    """An ExportError when FP8 codes still reach an op other than a
-    DequantizeLinear (at opset 19 only Q/DQ take FP8 tensors)."""
-    for node in graph.node:
-        if node.op_type == "DequantizeLinear":
-            continue
+    for node in graph.node:  # after the sort, which replaces the nodes
         for sub in subgraphs(node):
-            for inner, _, _ in walk(sub):
-                read = [i for i in inner.input if i in codes]
-                if read:
-                    _fp8_error(node, read[0])
-        read = [i for i in node.input if i in codes]
-        if read:
-            _fp8_error(node, read[0])
+            _move_qs_to_dqs(sub, owners, model)
 
 
-def _fp8_error(node, tensor):
-    raise ExportError(
-        f"The FP8 codes {tensor!r} reach {node.op_type} {node.name!r}, "
-        "which ONNX (opset 19) and TensorRT take in float only: tf2onnx "
-        "put that op between an FP8 Q and its DQ, and keras_mp moves a Q "
-        "only past ops that move values of one input. Keep the layer "
-        "around it INT8 (QuantizeConfig(precision='int8') for it) and "
-        "report the model. Nothing was written."
-    )
+# Ops that only move, pick or repeat values, with the input slots holding
+# those values: the ops tf2onnx's Q/DQ optimizer moves a Q back across
+# (`is_tensor_op`, tf2onnx/optimizer/q_dq_optimizer.py), Concat aside.
+_MOVING_OPS = {
+    **dict.fromkeys(
+        "Identity Reshape Flatten Expand Transpose Squeeze Unsqueeze Slice "
+        "Gather GatherND GatherElements Compress Tile ReverseSequence "
+        "DepthToSpace Split".split(),
+        (0,),
+    ),
+    **dict.fromkeys(("Scatter", "ScatterND", "ScatterElements"), (0, 2)),
+}
 
 
-# Ops that move or pick the values of their first input only: a per-tensor
-# Q commutes with them (Concat, whose other inputs may be float, does not).
-_MOVABLE_OPS = LAYOUT_OPS | {"Slice", "Gather", "Split", "Tile", "Expand"}
+def _moved_inputs(node):
+    """The input slots of `node` whose values it only moves: every input
+    of a Concat; none for other ops, nor for a Scatter that adds or
+    multiplies."""
+    if node.op_type == "Concat":
+        return tuple(range(len(node.input)))
+    if attr(node, "reduction", b"none") != b"none":
+        return ()
+    return _MOVING_OPS.get(node.op_type, ())
 
 
-def _layout_tree(tensor, consumers):
-    """`(layout ops, DequantizeLinears)` reached from `tensor` through
-    layout ops only, or None when something else reads a value on the way
-    (then nothing moves)."""
-    layouts, dqs, pending = [], [], [tensor]
-    while pending:
-        for node in consumers.get(pending.pop(), []):
-            if node.op_type in _MOVABLE_OPS and node.input[0] in (
-                tensor,
-                *(n.output[0] for n in layouts),
+def _blocker(graph, tensors, roots, moving, readers):
+    """`(node, why)` when the codes `tensors` of Qs `roots` cannot move to
+    their DQs across `moving`, else None."""
+    for output in graph.output:
+        if output.name in tensors:
+            return roots[0], f"writes them to the graph output {output.name!r}"
+    for name in sorted(tensors):
+        for node in readers.get(name, []):
+            if (
+                node.op_type == "DequantizeLinear"
+                and name not in node.input[1:]
             ):
-                layouts.append(node)
-                pending.append(node.output[0])
-            elif node.op_type == "DequantizeLinear":
-                dqs.append(node)
-            else:
-                return None
-    return (layouts, dqs) if layouts else None
+                continue
+            moved = {node.input[i] for i in _moved_inputs(node)}
+            if name in moved and name not in reads(node) - moved:
+                continue  # one of `moving`
+            return node, "computes with them (FP8 codes only move)"
+    if not moving:
+        return None
+    for node in moving:
+        if any(node.input[i] not in tensors for i in _moved_inputs(node)):
+            return node, "joins them with other values"
+    why = None
+    if any(attr(q, "axis", None) is not None for q in roots):
+        why = "moves per-channel codes (keras_mp moves per-tensor Qs only)"
+    elif len({tuple(q.input[1:]) for q in roots}) > 1:
+        why = "joins codes of different scales"
+    return None if why is None else (moving[0], why)
+
+
+def _move(graph, tensors, roots, moving, readers):
+    """Runs `moving` on the float inputs of `roots` and puts one copy of
+    `roots[0]` before each DequantizeLinear of `tensors`; returns the
+    outputs of the roots removed (no DQ reads them any more)."""
+    sources = {q.output[0]: q.input[0] for q in roots}
+    for node in moving:
+        for i in _moved_inputs(node):
+            node.input[i] = sources.get(node.input[i], node.input[i])
+    q, count = roots[0], 0
+    for name in sorted(tensors - set(sources)):
+        for dq in readers.get(name, []):
+            if dq.op_type != "DequantizeLinear":
+                continue
+            moved = graph.node.add()
+            moved.CopyFrom(q)
+            moved.name = f"{q.name}_moved_{count}"
+            moved.output[0] = f"{q.output[0]}_moved_{count}"
+            moved.input[0] = name
+            dq.input[0] = moved.output[0]
+            count += 1
+    removed = set()
+    for root in roots:
+        if not any(
+            n.op_type == "DequantizeLinear"
+            for n in readers.get(root.output[0], [])
+        ):
+            graph.node.remove(root)
+            removed.add(root.output[0])
+    return removed
+
+
+def _fp8_error(node, why, quantizer, model):
+    description, layer = quantizer
+    tops = (model, _record.contents(model))  # paths as quantizers name them
+    path = [
+        layer.name
+        for layer in keras_layer_path(node.name, model)
+        if all(layer is not top for top in tops)
+    ]
+    where = (
+        f"in Keras layer {'/'.join(path)!r}"
+        if path
+        else "whose name matches no Keras layer"
+    )
+    return ExportError(
+        f"The FP8 codes of quantizer {description!r} cannot be exported: "
+        f"ONNX op {node.op_type} {node.name!r} ({where}) {why}. ONNX types "
+        "FP8 tensors at opset 19 in QuantizeLinear/DequantizeLinear, "
+        "Reshape, Identity and Cast only, and keras_mp moves an FP8 Q to "
+        "its DQs across ops that only move values (Reshape, Transpose, "
+        "Concat, Gather, Slice, ...). Quantize layer "
+        f"{layer!r} in INT8 (quantize_model(..., config={{{layer!r}: "
+        "keras_mp.QuantizeConfig(precision='int8')})) or leave it float, "
+        "and report the model. Nothing was written."
+    )
 
 
 def _sort(graph):
