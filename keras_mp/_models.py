@@ -4,6 +4,7 @@ keras_mp state is in `_record.py`."""
 
 import contextlib
 import copy
+import functools
 
 import keras
 
@@ -159,6 +160,29 @@ def own(owner, quantizer):
 
 def is_owned(layer):
     return getattr(layer, OWNED, False)
+
+
+@functools.cache
+def twin_type(prefix, base, cls):
+    """The twin class of layer class `cls` with behaviour `base`: a subclass
+    of both named `prefix + cls.__name__`, with `float_class = cls`. The
+    one factory of quantized twins (`quantization.recipe.twin_class`) and
+    fixed-point twins (`muppet.twins.fixed_point_twin_class`)."""
+    return type(
+        f"{prefix}{cls.__name__}",
+        (base, cls),
+        {"float_class": cls, "__module__": base.__module__},
+    )
+
+
+def switch(layer, twin, owned=()):
+    """Turns `layer` into an instance of its twin class `twin`, in place,
+    owning the layers of `owned` (its quantizers or state, `own`): every
+    reference to the layer sees the twin. The one way both quantization
+    and MuPPET attach."""
+    for sub in owned:
+        own(layer, sub)
+    object.__setattr__(layer, "__class__", twin)
 
 
 def class_name(layer):

@@ -23,9 +23,9 @@ from keras_mp.muppet.layers import (
     PrecisionState,
 )
 from keras_mp.muppet.model import (
-    input_consumers,
     make_record,
     precision_state,
+    probe_model,
 )
 from keras_mp.muppet.record import apply_fixed_point_record
 
@@ -149,8 +149,9 @@ def upgrade_fixed_point(model):
         )
     floats, sources = _unwrapped(body)
     walked = _models.walk(floats)
-    consumers = input_consumers(floats, walked)
-    record = make_record(floats, walked, consumers=consumers)
+    # the wrappers ran no op sites: the upgraded model computes as they did
+    consumers, _ = probe_model(floats, walked)
+    record = make_record(floats, walked, consumers=consumers, sites={})
     apply_fixed_point_record(floats, record, walked)
     by_id = {id(layer): layer for layer, _ in walked}
     by_id[id(floats)] = floats

@@ -3,7 +3,6 @@ point in place, at any depth, and the helpers that find and set them.
 Guide: `docs/muppet.md`.
 """
 
-import collections
 import warnings
 
 import keras
@@ -18,6 +17,8 @@ from keras_mp.muppet.layers import (
 )
 from keras_mp.muppet.quantizer import check_word_length
 from keras_mp.muppet.record import apply_fixed_point_record
+from keras_mp.quantization import op_probe
+from keras_mp.quantization.layers import quantizable_row
 
 
 def _check(model, in_place):
@@ -64,55 +65,72 @@ def _sample_inputs(model):
     )
 
 
-def input_consumers(model, walked):
-    """`{walk index: {position: input index}}`: for each float input of
-    `model`, the outermost layers that receive it unchanged, and where in
-    their flattened positional call arguments. Found by one call on zeros
-    with every layer recording the tensors it is called on."""
+def probe_model(model, walked):
+    """One call of `model` on zeros (`quantization.op_probe.probe`, the
+    probe quantization runs too), for two things.
+
+    Returns:
+        `(consumers, sites)`. `consumers`: `{walk index: {position: input
+        index}}`, for each float input of `model` the outermost layers
+        that receive it unchanged, and where in their flattened positional
+        call arguments. `sites`: `{walk index: [site, ...]}`, the op sites
+        with an activation operand (`matmul` and `einsum` calls) of the
+        layers that do GEMMs in their own code (no layer-table row, or an
+        op-sites row: custom layers, `Dot`, attention): their activations
+        run in fixed point too.
+    """
     sample = _sample_inputs(model)
     targets = {
         id(t): i
         for i, t in enumerate(keras.tree.flatten(sample))
         if keras.backend.is_float_dtype(t.dtype)
     }
-    if not targets:  # token ids, masks: nothing to quantize
-        return {}
-    received = collections.defaultdict(set)
-    probes = {}
-
-    def probe_class(cls):
-        if cls not in probes:
-
-            def __call__(self, *args, **kwargs):
-                for position, t in enumerate(keras.tree.flatten(args)):
-                    if id(t) in targets:
-                        received[id(self)].add((position, targets[id(t)]))
-                return cls.__call__(self, *args, **kwargs)
-
-            probes[cls] = type(cls.__name__, (cls,), {"__call__": __call__})
-        return probes[cls]
-
     layers = [
-        (layer, type(layer))
-        for layer, _ in walked
+        (index, layer)
+        for index, (layer, parents) in enumerate(walked)
         if not isinstance(layer, keras.Model)
+        and not any(isinstance(p, keras.layers.RNN) for p in parents)
+    ]
+    candidates = [
+        layer
+        for _, layer in layers
+        if (row := quantizable_row(layer)) is None or row.op_sites
     ]
     try:
-        for layer, cls in layers:
-            object.__setattr__(layer, "__class__", probe_class(cls))
-        model(sample, training=False)
+        found, changed, _, received = op_probe.probe(
+            lambda: model(sample, training=False),
+            [layer for _, layer in layers],
+            candidates,
+            targets,
+        )
     except Exception as e:  # a model that needs real data: no probe
         warnings.warn(
             f"fixed_point_model: could not run model {model.name!r} on zeros "
-            f"to find the layers its inputs go to ({type(e).__name__}: {e}); "
-            "its inputs are not quantized (every weight and layer output "
-            "still is).",
+            f"to find the layers its inputs go to and the matmuls of its "
+            f"layers' own code ({type(e).__name__}: {e}); its inputs and "
+            "those matmuls' activations are not quantized (every weight and "
+            "layer output still is).",
             stacklevel=3,
         )
+        return {}, {}
+    sites = {}
+    for index, layer in layers:
+        kept = [
+            site
+            for site in found.get(id(layer), ())
+            if site["op"] != "dot_product_attention"
+            and any(s["role"] in ("input", "probs") for s in site["operands"])
+        ]
+        if kept and id(layer) not in changed:
+            sites[index] = found[id(layer)]
+    return _consumers(model, walked, targets, received), sites
+
+
+def _consumers(model, walked, targets, received):
+    """`probe_model`'s consumers, from the model inputs each layer
+    received (`{id(layer): {(position, input index)}}`)."""
+    if not targets:  # token ids, masks: nothing to quantize
         return {}
-    finally:
-        for layer, cls in layers:
-            object.__setattr__(layer, "__class__", cls)
     consumers, reached = {}, set()
     for index, (layer, parents) in enumerate(walked):
         # An input a parent received is quantized by that parent.
@@ -128,15 +146,16 @@ def input_consumers(model, walked):
             "reach no layer unchanged (the model's own code transforms them "
             "first), so they are not quantized per sample; the layers' "
             "weights and outputs still are.",
-            stacklevel=3,
+            stacklevel=4,
         )
     return consumers
 
 
-def make_record(model, walked, seed=None, consumers=None):
+def make_record(model, walked, seed=None, consumers=None, sites=None):
     """The fixed-point record for float `model`: every layer with trainable
-    weights of its own, at any depth, and the layers that receive a model
-    input (`consumers`, from `input_consumers` when None). Every layer
+    weights of its own, at any depth, the layers that receive a model
+    input (`consumers`) and those whose own code does GEMMs on
+    activations (`sites`; both from `probe_model` when None). Every layer
     starts its random streams at `seed` (a random seed each for None), as
     the wrappers of earlier keras_mp did: same seed, same draws."""
     weighted = {
@@ -144,8 +163,10 @@ def make_record(model, walked, seed=None, consumers=None):
         for index, (layer, parents) in enumerate(walked)
         if twins.runs_in_fixed_point(layer, parents)
     }
-    if consumers is None:
-        consumers = input_consumers(model, walked)
+    if consumers is None or sites is None:
+        probed, probed_sites = probe_model(model, walked)
+        consumers = probed if consumers is None else consumers
+        sites = probed_sites if sites is None else sites
     entries = []
     own = [v.name for v in _keras.own_variables(model) if v.trainable]
     if own:
@@ -162,15 +183,16 @@ def make_record(model, walked, seed=None, consumers=None):
             "own below it (a model's own weights cannot be run in fixed "
             "point in place). Move them into a layer."
         )
-    for index in sorted(weighted | set(consumers)):
-        entries.append(
-            {
-                "index": index,
-                "seed": None if seed is None else int(seed),
-                "weights": index in weighted,
-                "inputs": list(consumers.get(index, ())),
-            }
-        )
+    for index in sorted(weighted | set(consumers) | set(sites)):
+        entry = {
+            "index": index,
+            "seed": None if seed is None else int(seed),
+            "weights": index in weighted,
+            "inputs": list(consumers.get(index, ())),
+        }
+        if index in sites:
+            entry["sites"] = sites[index]
+        entries.append(entry)
     return {"layers": entries, "state": entries[0]["index"]}
 
 

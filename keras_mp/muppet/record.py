@@ -11,6 +11,7 @@ records, switching state) load. A layer is named by its position in
 same code.
 """
 
+from keras_mp import _models
 from keras_mp.muppet import twins
 
 
@@ -22,8 +23,9 @@ def fixed_point_record(model, walked):
         walked: `keras_mp._models.walk(model)`.
 
     Returns:
-        `{"layers": [{"index", "seed", "weights", "inputs"}, ...], "state":
-        index}` (JSON-able), or None.
+        `{"layers": [{"index", "seed", "weights", "inputs", "sites"},
+        ...], "state": index}` (JSON-able; `sites` only for a layer with
+        op sites), or None.
     """
     del model  # the walk names every layer
     entries, state = [], None
@@ -31,14 +33,15 @@ def fixed_point_record(model, walked):
         if not twins.is_fixed_point(layer):
             continue
         fixed = layer.fixed_point
-        entries.append(
-            {
-                "index": index,
-                "seed": int(fixed.seed),
-                "weights": bool(fixed.weight_shapes),
-                "inputs": list(fixed.inputs),
-            }
-        )
+        entry = {
+            "index": index,
+            "seed": int(fixed.seed),
+            "weights": bool(fixed.weight_shapes),
+            "inputs": list(fixed.inputs),
+        }
+        if layer.op_sites:
+            entry["sites"] = layer.op_sites
+        entries.append(entry)
         if fixed.precision_state is not None:
             state = index
     if not entries:
@@ -66,11 +69,14 @@ def apply_fixed_point_record(model, record, walked):
                 f"model {model.name!r}, which has {len(walked)} layers. Load "
                 "it into a model built by the same code."
             )
+        layer, parents = walked[index]
         twins.attach(
-            walked[index][0],
+            layer,
             entry["seed"],
             entry.get("inputs", ()),
             entry.get("weights", True),
+            entry.get("sites", ()),
+            _models.layer_path(layer, parents),
         )
     if record.get("state") is not None:
         walked[record["state"]][0].fixed_point.hold_precision_state()

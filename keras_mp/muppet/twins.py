@@ -14,7 +14,7 @@ weights. Twin classes are never saved: the float model's config is, with
 the record of `keras_mp.muppet.record`. Guide: `docs/muppet.md`.
 """
 
-import functools
+import contextlib
 import random
 
 import keras
@@ -24,6 +24,7 @@ from keras import ops
 from keras_mp import _keras, _models
 from keras_mp.muppet.layers import PrecisionState, _check_seed, _SeedStream
 from keras_mp.muppet.quantizer import fixed_point_ste
+from keras_mp.quantization import op_sites
 
 
 def _seed_variable(layer, name, seed):
@@ -44,8 +45,9 @@ class FixedPointState(keras.layers.Layer):
     (0 = float32); with `weight_shapes`, one `last_gradients` entry per
     trainable weight (on-read synchronized: under `tf.distribute` it reads
     as the replica mean), one `gradient_sums` entry per weight,
-    `gradient_square_sums` and `seed_state` (the weights' and outputs'
-    random stream); with `inputs`, `input_seed_state` (the stream of the
+    `gradient_square_sums` and `seed_state` (the weights', outputs' and
+    op sites' random stream; with `sites` alone, only that); with
+    `inputs`, `input_seed_state` (the stream of the
     per-sample input quantization). It is built on construction.
 
     Args:
@@ -55,6 +57,8 @@ class FixedPointState(keras.layers.Layer):
         inputs: list of int. Positions, in the flattened positional call
             arguments, of the model inputs quantized per sample. Defaults
             to `()`.
+        sites: bool. The layer has op sites (`attach`): a random stream
+            even without weights. Defaults to False.
         seed: int or None. Initial seed of the random streams; None draws
             one at random. Defaults to None.
         **kwargs: base layer arguments (`name`).
@@ -63,9 +67,12 @@ class FixedPointState(keras.layers.Layer):
         ValueError: `seed` is not an int or None.
     """
 
-    def __init__(self, weight_shapes=(), inputs=(), seed=None, **kwargs):
+    def __init__(
+        self, weight_shapes=(), inputs=(), seed=None, sites=False, **kwargs
+    ):
         kwargs.setdefault("dtype", "float32")
         super().__init__(**kwargs)
+        self.sites = bool(sites)
         self.weight_shapes = tuple(
             tuple(int(d) for d in s) for s in weight_shapes
         )
@@ -112,6 +119,7 @@ class FixedPointState(keras.layers.Layer):
                 initializer="zeros",
                 trainable=False,
             )
+        if self.weight_shapes or self.sites:
             self.seed_state = _seed_variable(self, "seed_state", self.seed)
             self.seed_generator = _SeedStream(self.seed_state)
         self.input_seed_state = self.input_seed_generator = None
@@ -138,6 +146,7 @@ class FixedPointState(keras.layers.Layer):
             "weight_shapes": [list(s) for s in self.weight_shapes],
             "inputs": list(self.inputs),
             "seed": self.seed,
+            "sites": self.sites,
         }
 
 
@@ -164,6 +173,17 @@ class FixedPointLayer:
     """
 
     float_class = None  # the class the twin derives from
+    # Op sites run in fixed point whenever the layer does (`CallScope`).
+    enabled = True
+
+    def _calibrating(self):
+        return False
+
+    def _site_scope(self):
+        """The op-level scope of this call, when the layer has op sites."""
+        if getattr(self, "op_sites", None):
+            return op_sites.scope(self)
+        return contextlib.nullcontext()
 
     @property
     def word_length(self):
@@ -214,7 +234,8 @@ class FixedPointLayer:
         if state.inputs:
             args = self._quantize_model_inputs(args, word_length)
         if not state.weight_shapes:
-            return super().call(*args, **kwargs)
+            with self._site_scope():
+                return super().call(*args, **kwargs)
         variables = self.fixed_point_weights()
         mapping = [
             (
@@ -229,9 +250,12 @@ class FixedPointLayer:
             )
             for v, record in zip(variables, state.last_gradients, strict=True)
         ]
-        with keras.StatelessScope(
-            state_mapping=mapping, collect_losses=True
-        ) as scope:
+        with (
+            keras.StatelessScope(
+                state_mapping=mapping, collect_losses=True
+            ) as scope,
+            self._site_scope(),
+        ):
             outputs = super().call(*args, **kwargs)
         self._apply_updates(scope, {id(v) for v in variables})
 
@@ -258,15 +282,11 @@ class FixedPointLayer:
             self.add_loss(loss)
 
 
-@functools.cache
 def fixed_point_twin_class(cls):
     """The fixed-point twin of layer class `cls`: a subclass of it and of
-    `FixedPointLayer`, with `float_class = cls`."""
-    return type(
-        f"FixedPoint{cls.__name__}",
-        (FixedPointLayer, cls),
-        {"float_class": cls, "__module__": __name__},
-    )
+    `FixedPointLayer`, with `float_class = cls` (`_models.twin_type`, the
+    factory quantized twins come from too)."""
+    return _models.twin_type("FixedPoint", FixedPointLayer, cls)
 
 
 def is_fixed_point(layer):
@@ -292,7 +312,7 @@ def runs_in_fixed_point(layer, parents):
     return layer.trainable and bool(fixed_point_variables(layer))
 
 
-def attach(layer, seed, inputs=(), weights=True):
+def attach(layer, seed, inputs=(), weights=True, sites=(), path=None):
     """Turns `layer` into its fixed-point twin, in place.
 
     Args:
@@ -302,6 +322,11 @@ def attach(layer, seed, inputs=(), weights=True):
             the model inputs it quantizes per sample. Defaults to `()`.
         weights: bool. Run its own trainable weights and its outputs in
             fixed point (False: only the model inputs). Defaults to True.
+        sites: list of dicts. The op sites of the layer's own code
+            (`quantization.op_probe.probe`): their activation operands are
+            run in fixed point too, through the op-level mechanism of
+            quantization (`quantization/op_sites.py`). Defaults to `()`.
+        path: str or None. The layer's path, for errors.
 
     Returns:
         The layer's `FixedPointState`.
@@ -312,10 +337,50 @@ def attach(layer, seed, inputs=(), weights=True):
         else []
     )
     state = FixedPointState(
-        shapes, inputs, seed=seed, name=f"{layer.name}_fixed_point"
+        shapes,
+        inputs,
+        seed=seed,
+        sites=bool(sites),
+        name=f"{layer.name}_fixed_point",
     )
     with _keras.unlocked(layer):
         layer.fixed_point = state
-    _models.own(layer, state)
-    object.__setattr__(layer, "__class__", fixed_point_twin_class(type(layer)))
+    _attach_sites(layer, list(sites), path or layer.name)
+    _models.switch(layer, fixed_point_twin_class(type(layer)), [state])
     return state
+
+
+class _SiteQuantizer:
+    """An activation operand of a fixed-point layer's op site: MuPPET's
+    stochastic fixed point at the layer's word length, from its stream."""
+
+    def __init__(self, layer):
+        self.layer = layer
+
+    def __call__(self, x):
+        state = self.layer.fixed_point
+        word_length = ops.convert_to_tensor(state.word_length)
+        return fixed_point_ste(x, word_length, state.seed_generator)
+
+
+def _attach_sites(layer, sites, path):
+    """What `op_sites.CallScope` reads of a layer: its `sites`, their
+    index, and a fixed-point quantizer per activation operand (weights are
+    fixed point already: the layer's variables are read as fixed-point
+    copies)."""
+    quantizer = _SiteQuantizer(layer)
+    by_site = {
+        k: {
+            i: quantizer
+            for i, spec in enumerate(site["operands"])
+            if spec["role"] in ("input", "probs")
+        }
+        for k, site in enumerate(sites)
+        # an attention call stays Keras' own (its quantized form is not
+        # the float op's math at word length 0)
+        if site["op"] != "dot_product_attention"
+    }
+    object.__setattr__(layer, "op_sites", sites)
+    object.__setattr__(layer, "op_site_index", op_sites.site_index(sites))
+    object.__setattr__(layer, "op_quantizers_by_site", by_site)
+    object.__setattr__(layer, "quantize_path", path)

@@ -210,16 +210,28 @@ def _shape_free(site):
     return (site["op"], [spec["role"] for spec in site["operands"]])
 
 
-def probe(run, layers, site_layers):
+def probe(run, layers, site_layers, targets=None):
     """Runs `run()` (the model on zeros) counting the calls of each of
-    `layers` and recording the op sites of each of `site_layers`.
+    `layers` and recording the op sites of each of `site_layers`: the one
+    probe of quantization (`recipe`) and MuPPET (`muppet.model`).
+
+    Args:
+        run: callable running the model once.
+        layers: the layers whose calls are counted.
+        site_layers: the layers whose own GEMM calls are recorded.
+        targets: `{id(tensor): input index}` of the model inputs to look
+            for among the tensors each of `layers` is called on, or None.
 
     Returns:
-        `(sites, changed, calls)`: `{id(layer): [site, ...]}`,
-        `{id(layer): message}` naming layers whose calls differ, and
+        `(sites, changed, calls, received)`: `{id(layer): [site, ...]}`,
+        `{id(layer): message}` naming layers whose calls differ,
         `{id(layer): number of calls}` (a wrapper calling a layer's `call`
-        once per time step, as `TimeDistributed` does, counts once).
+        once per time step, as `TimeDistributed` does, counts once), and
+        `{id(layer): {(position, input index), ...}}`: where in its
+        flattened positional arguments a layer received a model input of
+        `targets` unchanged.
     """
+    received = {}
     install()
     state = _state()
     recorder = Probe(site_layers)
@@ -233,6 +245,11 @@ def probe(run, layers, site_layers):
     def probe_class(cls):
         def __call__(self, *args, **kwargs):
             counts[id(self)] = counts.get(id(self), 0) + 1
+            for position, t in enumerate(keras.tree.flatten(args)):
+                if targets and id(t) in targets:
+                    received.setdefault(id(self), set()).add(
+                        (position, targets[id(t)])
+                    )
             inside.add(id(self))
             recorder.begin(self)
             try:
@@ -277,4 +294,4 @@ def probe(run, layers, site_layers):
     for sites in recorder.sites.values():
         for site in sites:
             site.pop("_refs", None)
-    return recorder.sites, recorder.changed, counts
+    return recorder.sites, recorder.changed, counts, received

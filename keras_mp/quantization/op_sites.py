@@ -172,6 +172,16 @@ def _is_float(x):
     return "float" in keras.backend.standardize_dtype(dtype)
 
 
+def site_index(sites):
+    """`{(where, occurrence): site ordinal}` of a layer's `sites`, plus
+    `(where, "last")` for the last occurrence at each location (a loop
+    longer than the probe's shares it)."""
+    index = {(s["where"], s["occurrence"]): k for k, s in enumerate(sites)}
+    for k, site in enumerate(sites):  # sites are in occurrence order
+        index[(site["where"], "last")] = k
+    return index
+
+
 class CallScope:
     """One running call of an op-quantized layer: how often each call site
     ran so far (a site is its source location and occurrence), and the

@@ -111,11 +111,7 @@ def twin_class(cls, legacy=False):
     base = _registered(cls, _USER_TWINS)
     if base is None and legacy:
         base = _registered(cls, legacy_twins.LEGACY_TWINS)
-    return type(
-        f"Quantized{cls.__name__}",
-        (base or QuantizedLayer, cls),
-        {"float_class": cls, "__module__": __name__},
-    )
+    return _models.twin_type("Quantized", base or QuantizedLayer, cls)
 
 
 twin_class_cache_clear = twin_class.cache_clear
@@ -206,8 +202,8 @@ def attach(layer, row, config, inputs, path, calls=1, sites=(), site_attr=None):
             and not config.learned_range
         )
     twin = twin_class(type(layer), legacy=not _at_op_sites(row))
-    object.__setattr__(layer, "__class__", twin)
-    for q in layer.owned_quantizers():
+    _models.switch(layer, twin)
+    for q in layer.owned_quantizers():  # the twin's, known once switched
         _models.own(layer, q)
     layer.update_weight_ranges()
 
@@ -256,10 +252,7 @@ def _attach_sites(layer, sites, fmt, config, site_attr=None):
             )
             layer.op_quantizers.append(found["probs"])
     object.__setattr__(layer, "op_quantizers_by_site", by_site)
-    index = {(s["where"], s["occurrence"]): k for k, s in enumerate(sites)}
-    for k, site in enumerate(sites):  # sites are in occurrence order
-        index[(site["where"], "last")] = k
-    object.__setattr__(layer, "op_site_index", index)
+    object.__setattr__(layer, "op_site_index", op_sites.site_index(sites))
 
 
 def _at_op_sites(row):
@@ -418,7 +411,7 @@ def _probe(structure, walked, choices, others):
     """
     try:
         sample = _zeros_like_inputs(structure)
-        sites, changed, calls = op_probe.probe(
+        sites, changed, calls, _ = op_probe.probe(
             lambda: structure(sample, training=False),
             [walked[i][0] for i in choices],
             [walked[i][0] for i in others],

@@ -132,7 +132,7 @@ def _flat_model():
             ),
             ValueError,
             "No quantizable layer.*Supported types: Add, .*AveragePooling2D, "
-            "Concatenate, Conv1D, .*Dot, ",
+            ".*Concatenate, Conv1D, .*Dot, ",
         ),
         (
             lambda: keras_mp.quantize_model(
