@@ -31,6 +31,7 @@ Guide: `docs/quantization.md` ("Block-scaled formats").
 
 import dataclasses
 import types
+from collections.abc import Callable
 
 import ml_dtypes
 import numpy as np
@@ -58,6 +59,9 @@ class BlockFormat:
         scale_storage: numpy dtype of the block scales.
         global_scale: bool. True when a float32 per-tensor scale multiplies
             the block scales (NVFP4).
+        quantize: callable `(blocks, amax, scale, axis) -> _Quantized`. The
+            format's math on the weight split into blocks along `axis + 1`
+            (`amax` their max, `scale` given INT4 scales or None).
     """
 
     name: str
@@ -69,46 +73,8 @@ class BlockFormat:
     min_opset: int
     storage: type
     scale_storage: type
+    quantize: Callable = dataclasses.field(repr=False)
     global_scale: bool = False
-
-
-_ROWS = (
-    BlockFormat(
-        name="int4",
-        block_sizes=(128, 64, 32),
-        qmax=7.0,
-        qmin=-8.0,
-        onnx_type="INT4",
-        scale_onnx_type="FLOAT",
-        min_opset=21,
-        storage=ml_dtypes.int4,
-        scale_storage=np.float32,
-    ),
-    BlockFormat(
-        name="nvfp4",
-        block_sizes=(16,),
-        qmax=_E2M1_MAX,
-        qmin=-_E2M1_MAX,
-        onnx_type="FLOAT4E2M1",
-        scale_onnx_type="FLOAT8E4M3FN",
-        min_opset=23,
-        storage=ml_dtypes.float4_e2m1fn,
-        scale_storage=ml_dtypes.float8_e4m3fn,
-        global_scale=True,
-    ),
-    BlockFormat(
-        name="mxfp8",
-        block_sizes=(32,),
-        qmax=_FP8_MAX,
-        qmin=-_FP8_MAX,
-        onnx_type="FLOAT8E4M3FN",
-        scale_onnx_type="FLOAT8E8M0",
-        min_opset=24,
-        storage=ml_dtypes.float8_e4m3fn,
-        scale_storage=ml_dtypes.float8_e8m0fnu,
-    ),
-)
-FORMATS = types.MappingProxyType({row.name: row for row in _ROWS})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,10 +209,7 @@ def block_encode(w, format="int4", block_size=None, axis=0, scale=None):
     out = _quantize(w, fmt, block_size, axis, scale)
     codes = tf.reshape(out.values, tf.shape(w)).numpy().astype(fmt.storage)
     stored = np.squeeze(out.stored.numpy(), axis=axis + 1)
-    if fmt.name == "mxfp8":
-        stored = stored.astype(np.uint8).view(fmt.scale_storage)
-    else:
-        stored = stored.astype(fmt.scale_storage)
+    stored = stored.astype(fmt.scale_storage)  # exact: already on its grid
     global_scale = None
     if fmt.global_scale:
         global_scale = np.float32(out.global_scale.numpy())
@@ -313,12 +276,12 @@ def _check(x, format, block_size, axis, scale):
             f"block_size={block_size}"
         )
     if scale is not None:
-        if fmt.name != "int4":
+        if fmt.scale_onnx_type != "FLOAT":
             raise ValueError(
-                f"{fmt.name} block scales follow from the data (its FP8 or "
-                "E8M0 scale type leaves no choice); only 'int4' takes a "
-                "`scale`. Received: scale with format="
-                f"{fmt.name!r}"
+                f"{fmt.name} block scales follow from the data (its "
+                f"{fmt.scale_onnx_type} scale type leaves no choice); only "
+                "formats with float32 scales ('int4') take a `scale`. "
+                f"Received: scale with format={fmt.name!r}"
             )
         want = shape[:axis] + (k // block_size,) + shape[axis + 1 :]
         got = tuple(getattr(scale, "shape", np.shape(scale)))
@@ -342,11 +305,7 @@ def _blocked(x, block_size, axis):
 def _quantize(x, fmt, block_size, axis, scale):
     xb = _blocked(x, block_size, axis)
     amax = tf.reduce_max(tf.abs(xb), axis=axis + 1, keepdims=True)
-    if fmt.name == "int4":
-        return _int4(xb, amax, scale, axis)
-    if fmt.name == "nvfp4":
-        return _nvfp4(xb, amax)
-    return _mxfp8(xb, amax)
+    return fmt.quantize(xb, amax, scale, axis)
 
 
 def _int4(xb, amax, scale, axis):
@@ -363,7 +322,8 @@ def _int4(xb, amax, scale, axis):
     return _Quantized(codes, scale, scale)
 
 
-def _nvfp4(xb, amax):
+def _nvfp4(xb, amax, scale, axis):
+    del scale, axis  # the scales follow from the data
     # NVFP4QTensor.get_weights_scaling_factor_2 / get_weights_scaling_factor
     # (modelopt/torch/quantization/qtensor/nvfp4_tensor.py).
     tensor_amax = tf.reduce_max(amax)
@@ -392,7 +352,8 @@ def _e2m1(v):
     return tf.where(negative, -magnitude, magnitude)
 
 
-def _mxfp8(xb, amax):
+def _mxfp8(xb, amax, scale, axis):
+    del scale, axis  # the scales follow from the data
     # compute_e8m0 (modelopt/onnx/quantization/quant_utils.py): exponent
     # ceil(log2(amax / 448)), at least -127; taken from the float32 bits
     # so no log2 rounding moves a ratio just above a power of two down.
@@ -412,7 +373,8 @@ def _mxfp8(xb, amax):
     v = tf.clip_by_value(xb * inverse, -_FP8_MAX, _FP8_MAX)
     codes = tf.cast(tf.cast(v, fp8), tf.float32)
     codes = tf.where(amax > 0, codes, 0.0)
-    return _Quantized(codes, _exp2(exponent), exponent + 127)
+    scale = _exp2(exponent)
+    return _Quantized(codes, scale, scale)
 
 
 def _divide(x, constant):
@@ -429,3 +391,45 @@ def _exp2(exponent):
     normal = tf.bitwise.left_shift(tf.maximum(exponent + 127, 1), 23)
     bits = tf.where(exponent > -127, normal, 1 << 22)
     return tf.bitcast(bits, tf.float32)
+
+
+_ROWS = (
+    BlockFormat(
+        name="int4",
+        block_sizes=(128, 64, 32),
+        qmax=7.0,
+        qmin=-8.0,
+        onnx_type="INT4",
+        scale_onnx_type="FLOAT",
+        min_opset=21,
+        storage=ml_dtypes.int4,
+        scale_storage=np.float32,
+        quantize=_int4,
+    ),
+    BlockFormat(
+        name="nvfp4",
+        block_sizes=(16,),
+        qmax=_E2M1_MAX,
+        qmin=-_E2M1_MAX,
+        onnx_type="FLOAT4E2M1",
+        scale_onnx_type="FLOAT8E4M3FN",
+        min_opset=23,
+        storage=ml_dtypes.float4_e2m1fn,
+        scale_storage=ml_dtypes.float8_e4m3fn,
+        quantize=_nvfp4,
+        global_scale=True,
+    ),
+    BlockFormat(
+        name="mxfp8",
+        block_sizes=(32,),
+        qmax=_FP8_MAX,
+        qmin=-_FP8_MAX,
+        onnx_type="FLOAT8E4M3FN",
+        scale_onnx_type="FLOAT8E8M0",
+        min_opset=24,
+        storage=ml_dtypes.float8_e4m3fn,
+        scale_storage=ml_dtypes.float8_e8m0fnu,
+        quantize=_mxfp8,
+    ),
+)
+FORMATS = types.MappingProxyType({row.name: row for row in _ROWS})
