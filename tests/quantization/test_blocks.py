@@ -112,6 +112,16 @@ def test_fake_quant_equals_onnx_qdq_bit_for_bit(name):
     )
 
 
+def test_nvfp4_sweep_saturates_where_fp8_scales_round_down():
+    # E4M3 block scales below amax / 6 push the block's max past E2M1's 6:
+    # the equality above covers ONNX's saturation there.
+    w = _sweep("nvfp4", np.random.default_rng(0))
+    encoded = block_encode(w, "nvfp4")
+    scale = encoded.scale.astype(np.float32) * encoded.global_scale
+    scaled = np.abs(w) / np.repeat(np.where(scale > 0, scale, 1), 16, 0)
+    assert np.sum(scaled > 6) > 10
+
+
 def test_ties_round_to_even():
     w = _sweep("int4", np.random.default_rng(0))
     got = block_quantize_dequantize(tf.constant(w), "int4").numpy()[:8, 0]
