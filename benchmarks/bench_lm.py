@@ -36,10 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import lm_corpus  # noqa: E402
 from _common import markdown_table, write_results  # noqa: E402
-
-from keras_mp._models import walk_layers  # noqa: E402
-from keras_mp.quantization import blocks  # noqa: E402
-from keras_mp.quantization import weight_calibration as wc  # noqa: E402
+from lm_blocks import BLOCK_ROWS, block_quantized, gemms  # noqa: E402
 
 CONFIGS = {
     "full": dict(
@@ -229,13 +226,13 @@ def measure(path, label, mode, quant_config, test_windows, directory):
 
 def measure_blocks(path, label, fmt, method, calibration, test_windows):
     start = time.perf_counter()
-    model, written = block_quantized(path, fmt, method, calibration)
+    model, written = block_quantized(path, fmt, method, calibration, _inputs)
     seconds = time.perf_counter() - start
     float_bytes = 4 * model.count_params()
     kernels = sum(
         int(np.prod(layer.kernel.shape))
         for block in model.backbone.transformer_layers
-        for layer in _gemms(block)
+        for layer in gemms(block)
     )
     return {
         "variant": label,
@@ -244,105 +241,6 @@ def measure_blocks(path, label, fmt, method, calibration, test_windows):
         "initializer_bytes": float_bytes - 4 * kernels + written,
         "quantize_seconds": round(seconds, 1),
     }
-
-
-# keras_mp's block formats, weights only: (label, format, calibration).
-BLOCK_ROWS = [
-    ("keras_mp INT4, max (blocks of 128)", "int4", "max"),
-    ("keras_mp INT4, MSE", "int4", "mse"),
-    ("keras_mp INT4, AWQ", "int4", "awq"),
-    ("keras_mp INT4, GPTQ", "int4", "gptq"),
-    ("keras_mp NVFP4 (E2M1, FP8 scales per 16)", "nvfp4", "max"),
-    ("keras_mp MXFP8 (E4M3, E8M0 scales per 32)", "mxfp8", "max"),
-]
-_BITS = {"int4": 4, "nvfp4": 4, "mxfp8": 8}
-
-
-def _contracted(layer):
-    """How many leading kernel axes a Dense / EinsumDense contracts."""
-    if isinstance(layer, keras.layers.EinsumDense):
-        inputs, rest = layer.equation.split(",")
-        kernel, outputs = rest.split("->")
-        axes = [c for c in kernel if c in inputs and c not in outputs]
-        if not (
-            kernel.startswith("".join(axes)) and inputs.endswith("".join(axes))
-        ):
-            raise ValueError(
-                f"{layer.name}: not a (K, N) GEMM: {layer.equation}"
-            )
-        return len(axes)
-    return 1
-
-
-def _gemms(block):
-    return [
-        layer
-        for layer in walk_layers(block)
-        if isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense))
-    ]
-
-
-def _captured_inputs(model, layers, windows):
-    """Each layer's inputs `(tokens, K)` over a forward pass on `windows`,
-    taken by wrapping the layers' `call` for the pass."""
-    seen = {id(layer): [] for layer in layers}
-    for layer in layers:
-
-        def call(x, *args, _layer=layer, _call=layer.call, **kwargs):
-            k = int(np.prod(_layer.kernel.shape[: _contracted(_layer)]))
-            seen[id(_layer)].append(np.asarray(x).reshape(-1, k))
-            return _call(x, *args, **kwargs)
-
-        object.__setattr__(layer, "call", call)
-    try:
-        for i in range(0, len(windows), 16):
-            model(_inputs(windows[i : i + 16]), training=False)
-    finally:
-        for layer in layers:
-            object.__delattr__(layer, "call")
-    return {key: np.concatenate(value) for key, value in seen.items()}
-
-
-def _block_kernel(kernel, x, fmt, method):
-    """The fake-quantized `(K, N)` kernel, and its initializer bytes."""
-    if method == "gptq":
-        result = wc.gptq(kernel, x)
-        return result.kernel, blocks.block_encode(
-            result.kernel, fmt, scale=result.scale
-        )
-    if method == "awq":
-        result = wc.awq(kernel, x, format=fmt)
-        quantized = blocks.block_quantize_dequantize(result.kernel, fmt)
-        # (x / s) @ qdq(s W): the 1 / s folded into the kernel rows here.
-        folded = np.asarray(quantized) * result.input_scale[:, None]
-        return folded, blocks.block_encode(result.kernel, fmt)
-    scale = wc.mse_scales(kernel) if method == "mse" else None
-    quantized = blocks.block_quantize_dequantize(kernel, fmt, scale=scale)
-    return np.asarray(quantized), blocks.block_encode(kernel, fmt, scale=scale)
-
-
-def block_quantized(path, fmt, method, calibration):
-    """The cached model with every transformer-block GEMM's kernel
-    replaced by its block-format fake quantization (layer by layer, each
-    calibrated on inputs through the already quantized layers before it),
-    and the bytes the export would write for those kernels."""
-    model = keras.saving.load_model(path)
-    written = 0
-    for block in model.backbone.transformer_layers:
-        layers = _gemms(block)
-        seen = {}
-        if method in ("awq", "gptq"):
-            seen = _captured_inputs(model, layers, calibration)
-        for layer in layers:
-            shape = tuple(layer.kernel.shape)
-            k = int(np.prod(shape[: _contracted(layer)]))
-            kernel = keras.ops.convert_to_numpy(layer.kernel).reshape(k, -1)
-            quantized, codes = _block_kernel(
-                kernel, seen.get(id(layer)), fmt, method
-            )
-            layer.kernel.assign(np.reshape(quantized, shape))
-            written += codes.codes.size * _BITS[fmt] // 8 + codes.scale.nbytes
-    return model, written
 
 
 def _mib(row, key):
