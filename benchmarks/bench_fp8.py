@@ -376,7 +376,7 @@ def measure(directory, quick=False, seed=0, seeds=None, modelopt=None):
     if seeds:
         setting["seeds"] = seeds
     clock = time.perf_counter()
-    (x, y), (xt, yt) = keras_mp.load_fashion_mnist()
+    (x, y), (xt, yt) = keras_mp.datasets.load_fashion_mnist()
     x, y = x[: setting["train_images"]], y[: setting["train_images"]]
     xt, yt = xt[: setting["test_images"]], yt[: setting["test_images"]]
     xc = x[: setting["calib_images"]]

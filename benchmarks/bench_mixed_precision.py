@@ -43,7 +43,7 @@ def main():
     args = parser.parse_args()
     if args.quick:
         args.train_images, args.epochs = 1024, 1
-    (x, y), (xt, yt) = keras_mp.load_fashion_mnist()
+    (x, y), (xt, yt) = keras_mp.datasets.load_fashion_mnist()
     x, y = x[: args.train_images], y[: args.train_images]
     batch = 128
     models, results = {}, {}

@@ -129,7 +129,7 @@ def main():
     wall_start = time.perf_counter()
     timings = {}
 
-    (x, y), (xt, yt) = keras_mp.load_fashion_mnist()
+    (x, y), (xt, yt) = keras_mp.datasets.load_fashion_mnist()
     x, y = x[: args.train_images], y[: args.train_images]
     xc = x[: args.calib_images]
 

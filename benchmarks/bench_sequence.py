@@ -109,7 +109,7 @@ def sequence_model(kind, units=UNITS, projection=PROJECTION):
 
 def load_sequences(setting):
     """Fashion-MNIST as `(N, 28, 28)` sequences, sliced for `setting`."""
-    (x, y), (xt, yt) = keras_mp.load_fashion_mnist()
+    (x, y), (xt, yt) = keras_mp.datasets.load_fashion_mnist()
     x, xt = x[..., 0], xt[..., 0]
     n, nt = setting["train_images"], setting["test_images"]
     return (x[:n], y[:n]), (xt[:nt], yt[:nt])

@@ -38,7 +38,7 @@ import keras_mp  # noqa: E402
 
 def load_data(quick):
     """Fashion-MNIST when installed, else scikit-learn's 8x8 digits."""
-    name, (x, y), (xt, yt) = keras_mp.load_images()
+    name, (x, y), (xt, yt) = keras_mp.datasets.load_images()
     if quick:
         return name, (x[:512], y[:512]), (xt[:256], yt[:256])
     return name, (x[:12000], y[:12000]), (xt, yt)

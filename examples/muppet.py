@@ -42,7 +42,7 @@ SCHEDULE = (8, 12, 14, 16, None)  # word lengths, then float32
 
 def load_data(quick):
     """Fashion-MNIST when installed, else scikit-learn's 8x8 digits."""
-    name, (x, y), (xt, yt) = keras_mp.load_images()
+    name, (x, y), (xt, yt) = keras_mp.datasets.load_images()
     if quick:
         xt, yt = xt[:256], yt[:256]
     return name, (x, y), (xt, yt)

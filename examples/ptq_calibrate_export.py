@@ -40,7 +40,7 @@ METHODS = ("max", "percentile", "entropy", "mse")
 
 def load_data(quick):
     """Fashion-MNIST when installed, else scikit-learn's 8x8 digits."""
-    name, (x, y), (xt, yt) = keras_mp.load_images()
+    name, (x, y), (xt, yt) = keras_mp.datasets.load_images()
     # The last images of the training split are held out to choose the
     # calibrator; the test split is only reported.
     if quick:

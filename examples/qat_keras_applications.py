@@ -43,7 +43,7 @@ SIZE = 32  # the smallest input keras.applications.MobileNetV2 accepts
 
 def load_data(quick):
     """Fashion-MNIST when installed, else scikit-learn's 8x8 digits."""
-    name, (x, y), (xt, yt) = keras_mp.load_images()
+    name, (x, y), (xt, yt) = keras_mp.datasets.load_images()
     if quick:
         x, y, xt, yt = x[:512], y[:512], xt[:256], yt[:256]
     else:

@@ -45,7 +45,7 @@ from keras_mp.reference import (  # noqa: E402
 
 def load_data(quick):
     """Fashion-MNIST when installed, else scikit-learn's 8x8 digits."""
-    name, (x, y), (xt, yt) = keras_mp.load_images()
+    name, (x, y), (xt, yt) = keras_mp.datasets.load_images()
     if quick:
         return name, (x[:1024], y[:1024]), (xt[:256], yt[:256])
     return name, (x[:20000], y[:20000]), (xt, yt)

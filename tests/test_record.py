@@ -159,7 +159,7 @@ def test_record_of_another_model_names_the_recorded_layer():
 def test_old_containers_are_load_only_and_say_so():
     net = Net(8, name="net")
     net(np.zeros((1, 8), "float32"))
-    for cls in (keras_mp.QuantizedModel, keras_mp.SparseModel):
+    for cls in (keras_mp.legacy.QuantizedModel, keras_mp.legacy.SparseModel):
         with pytest.warns(DeprecationWarning, match="load-only"):
             old = cls(net)
         assert isinstance(old, keras_mp.RecordedModel)

@@ -155,7 +155,7 @@ def main():
     a = p.parse_args()
     os.makedirs(a.outdir, exist_ok=True)
 
-    (x, y), (xt, yt) = keras_mp.load_fashion_mnist()
+    (x, y), (xt, yt) = keras_mp.datasets.load_fashion_mnist()
     # Calibration images come from the end of the training set, training
     # batches from its start: disjoint for any --steps below 60000/128 - 8.
     data = {

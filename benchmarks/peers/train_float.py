@@ -47,7 +47,9 @@ def main():
     a = p.parse_args()
     os.makedirs(a.workdir, exist_ok=True)
 
-    (x_raw, y), (xt_raw, yt) = keras_mp.load_fashion_mnist(normalize=False)
+    (x_raw, y), (xt_raw, yt) = keras_mp.datasets.load_fashion_mnist(
+        normalize=False
+    )
     if a.train_images + a.val_images > len(x_raw):
         raise SystemExit("train + validation images exceed the 60,000")
     val = slice(len(x_raw) - a.val_images, len(x_raw))

@@ -448,6 +448,14 @@ def export_saved_model(model, path, overwrite=False, verify_data=None):
 
     Returns:
         The max absolute difference on `verify_data`, or None.
+
+    Raises:
+        ExportError: the folder exists (without `overwrite`), or the model
+            was never called.
+
+    Example:
+
+    >>> keras_mp.export_saved_model(qmodel, "served", verify_data=x[:32])
     """
     require_tensorflow("keras_mp.export_saved_model")
     import tensorflow as tf

@@ -51,7 +51,13 @@ PASS_THROUGH_OPS = LAYOUT_OPS | COMMUTING_OPS
 
 @dataclasses.dataclass(frozen=True)
 class Finding:
-    """One broken rule: which rule, on which node, and what to do."""
+    """One broken rule: which rule, on which node, and what to do.
+
+    Example:
+
+    >>> for finding in keras_mp.check_tensorrt("model.onnx").violations:
+    ...     print(finding.rule, finding.node, finding.message)
+    """
 
     rule: str
     node: str

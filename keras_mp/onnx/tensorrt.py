@@ -32,6 +32,12 @@ class LintReport:
             Loop/Scan/If bodies, which TensorRT runs in float.
         weighted_ops_quantized: How many of those have both inputs quantized.
         sparse_weights: Names of the weights that are 2:4 sparse.
+
+    Example:
+
+    >>> report = keras_mp.check_tensorrt("model.onnx")
+    >>> report.ok, report.weighted_ops_quantized, report.weighted_ops
+    >>> print(report.to_markdown())
     """
 
     source: str = "<ModelProto>"

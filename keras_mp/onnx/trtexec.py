@@ -46,6 +46,14 @@ def trtexec_command(onnx_path, report=None, batch=(1, 32, 128), legacy=False):
 
     Returns:
         The command line, as a string.
+
+    Raises:
+        ValueError: `batch` is not three increasing positive ints.
+
+    Example:
+
+    >>> keras_mp.trtexec_command("model.onnx")
+    'trtexec --onnx=model.onnx --saveEngine=model.engine --stronglyTyped ...'
     """
     if (
         len(batch) != 3

@@ -59,6 +59,12 @@ class SensitivityReport:
         passes: dict. Forward and backward passes over a batch:
             `{"calibration": n, "forward": n, "backward": n}`.
         seconds: float. Wall time.
+
+    Example:
+
+    >>> report = keras_mp.layer_sensitivity(model, x[:256], y[:256])
+    >>> print(report)  # most sensitive layers first
+    >>> report.rows[0].name
     """
 
     rows: list
@@ -193,6 +199,12 @@ class AutoQuantizeReport:
             (scoring) and evaluation.
         seconds: float. Wall time of the whole search.
         sensitivity: the `SensitivityReport`.
+
+    Example:
+
+    >>> qmodel, report = keras_mp.auto_quantize(model, x[:512], y[:512])
+    >>> print(report)  # the precision of each layer, and why
+    >>> report.speedup_over_fp16
     """
 
     choices: list

@@ -96,6 +96,11 @@ def quantize_annotate_model(model, layers=None, config=None):
         TypeError: a tf_keras or non-Keras model.
         ValueError: the selection names an unsupported layer, or matches
             no quantizable layer; a model that cannot be copied.
+
+    Example:
+
+    >>> annotated = keras_mp.quantize_annotate_model(model, layers="conv.*")
+    >>> qmodel = keras_mp.quantize_apply(annotated)
     """
     _check_float_model(model, "quantize_annotate_model")
     return inplace.annotate_in_place(model, layers, config)
@@ -121,6 +126,13 @@ def quantize_apply(model):
         ValueError: nothing is annotated, the model is already quantized or
             cannot be copied.
         TypeError: a tf_keras or non-Keras model.
+
+    Example:
+
+    >>> qmodel = keras_mp.quantize_apply(
+    ...     keras_mp.quantize_annotate_model(model)
+    ... )
+    >>> keras_mp.calibrate(qmodel, x[:512])
     """
     require_tensorflow("keras_mp.quantize_apply")
     _check_float_model(model, "quantize_apply")

@@ -102,7 +102,7 @@ class QuantizeWrapper(keras.layers.Wrapper):
 
     Example:
 
-    >>> layer = keras_mp.QuantizeWrapper(keras.layers.Dense(10))
+    >>> layer = keras_mp.legacy.QuantizeWrapper(keras.layers.Dense(10))
     """
 
     def __init__(

@@ -90,15 +90,15 @@ def refused(out, onnx_path):
         ("QuantizeActivation", lambda: keras_mp.QuantizeActivation()),
         (
             "QuantizeWrapper",
-            lambda: keras_mp.QuantizeWrapper(keras.layers.Dense(32)),
+            lambda: keras_mp.legacy.QuantizeWrapper(keras.layers.Dense(32)),
         ),
         ("RecordedModel", lambda: keras_mp.RecordedModel(_model())),
         ("fixed_point_model", lambda: keras_mp.fixed_point_model(_model())),
         (
             "FixedPointWrapper",
-            lambda: keras_mp.FixedPointWrapper(keras.layers.Dense(32)),
+            lambda: keras_mp.legacy.FixedPointWrapper(keras.layers.Dense(32)),
         ),
-        ("FixedPointInput", lambda: keras_mp.FixedPointInput()),
+        ("FixedPointInput", lambda: keras_mp.legacy.FixedPointInput()),
         ("PrecisionSwitching", lambda: keras_mp.PrecisionSwitching()),
         ("StructuredSparsity", lambda: keras_mp.StructuredSparsity()),
         (
@@ -175,7 +175,7 @@ def neutral(model, onnx_path):
             lambda: keras_mp.search_permutation(kernel, axis=0),
         ),
         ("sparsity_report", lambda: keras_mp.sparsity_report(model)),
-        ("shuffled_batches", lambda: keras_mp.shuffled_batches(X, Y)),
+        ("shuffled_batches", lambda: keras_mp.datasets.shuffled_batches(X, Y)),
         ("check_tensorrt", lambda: keras_mp.check_tensorrt(onnx_path)),
         ("typed_graph", lambda: keras_mp.typed_graph(onnx_path)),
         ("trtexec_command", lambda: keras_mp.trtexec_command(onnx_path)),

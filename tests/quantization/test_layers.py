@@ -198,7 +198,7 @@ def test_legacy_separable_wrapper_saved_before_pointwise_loads_without_it():
         },
     }
     old = keras.saving.deserialize_keras_object(config)
-    assert isinstance(old, keras_mp.QuantizeWrapper)
+    assert isinstance(old, keras_mp.legacy.QuantizeWrapper)
     assert not old.pointwise_input
 
 

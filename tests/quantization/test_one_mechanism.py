@@ -301,10 +301,14 @@ def test_bad_input_and_upgrade_of_old_files():
         os.path.join(FIXTURES, "quantized.keras"), safe_mode=True
     )
     saved = np.load(os.path.join(FIXTURES, "quantized.npz"))
-    assert any(isinstance(x, keras_mp.QuantizeWrapper) for x in all_layers(old))
+    assert any(
+        isinstance(x, keras_mp.legacy.QuantizeWrapper) for x in all_layers(old)
+    )
     new = keras_mp.upgrade(old)
     layers = all_layers(new)
-    assert not any(isinstance(x, keras_mp.QuantizeWrapper) for x in layers)
+    assert not any(
+        isinstance(x, keras_mp.legacy.QuantizeWrapper) for x in layers
+    )
     names = {x.name for x in layers}
     float_names = {"conv", "bn", "proj", "add", "dw", "conv2", "head"}
     assert float_names <= names, sorted(names)

@@ -1,0 +1,35 @@
+"""Classes only files saved by earlier keras_mp releases need.
+
+Each is still registered with Keras, so `keras.saving.load_model` reads
+an old file as it was written; `keras_mp.upgrade(model)` turns such a
+model into today's form (a `keras_mp.RecordedModel` with the same
+placement and outputs). Building one in new code is not supported: use
+`keras_mp.quantize_model`, `keras_mp.StructuredSparsity` and
+`keras_mp.fixed_point_model` instead. `PrecisionState` is the MuPPET
+switching state a fixed-point model owns (read it with
+`keras_mp.muppet.precision_state(model)`).
+
+Example:
+
+>>> old = keras.saving.load_model("old_release.keras", safe_mode=True)
+>>> model = keras_mp.upgrade(old)
+"""
+
+from keras_mp.muppet.layers import (
+    FixedPointInput,
+    FixedPointWrapper,
+    PrecisionState,
+)
+from keras_mp.quantization.legacy import QuantizeAnnotate, QuantizeWrapper
+from keras_mp.quantization.model import QuantizedModel
+from keras_mp.sparsity.saving import SparseModel
+
+__all__ = [
+    "FixedPointInput",
+    "FixedPointWrapper",
+    "PrecisionState",
+    "QuantizeAnnotate",
+    "QuantizeWrapper",
+    "QuantizedModel",
+    "SparseModel",
+]
