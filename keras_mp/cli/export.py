@@ -1,5 +1,7 @@
 """`keras-mp export`: a `.keras` file to Q/DQ ONNX and/or SavedModel."""
 
+import sys
+
 from keras_mp.cli._files import load_inputs, load_keras_model
 from keras_mp.cli.sensitivity import add_precision_arguments, load_labels
 
@@ -63,7 +65,9 @@ def export_command_parser(subparsers):
         "float32 islands where needed (listed with their reasons)",
     )
     parser.add_argument(
-        "--fp16", action="store_true", help="alias of --dtype float16"
+        "--fp16",
+        action="store_true",
+        help="deprecated alias of --dtype float16",
     )
     parser.add_argument("--overwrite", action="store_true")
     parser.set_defaults(func=export_command)
@@ -107,6 +111,16 @@ def export_command(args):
         if (args.verify or args.calibrate)
         else None
     )
+    if args.fp16:
+        if args.dtype not in (None, "float16"):
+            raise ValueError(
+                f"--fp16 is an alias of --dtype float16, but --dtype "
+                f"{args.dtype} was passed too. Pass only --dtype."
+            )
+        print(
+            "note: --fp16 is deprecated; use --dtype float16", file=sys.stderr
+        )
+        args.dtype = "float16"
     if args.onnx:
         report = keras_mp.export_onnx(
             model,
@@ -114,7 +128,6 @@ def export_command(args):
             opset=args.opset,
             verify_data=verify,
             overwrite=args.overwrite,
-            fp16=args.fp16,
             dtype=args.dtype,
         )
         typed = keras_mp.typed_graph(args.onnx)

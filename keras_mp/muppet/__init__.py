@@ -18,7 +18,7 @@ from keras_mp.muppet.layers import (
     FixedPointWrapper,
     PrecisionState,
 )
-from keras_mp.muppet.legacy import upgrade_fixed_point
+from keras_mp.muppet.legacy import upgrade_fixed_point as _upgrade_fixed_point
 from keras_mp.muppet.model import (
     fixed_point_layers,
     fixed_point_model,
@@ -43,6 +43,28 @@ from keras_mp.muppet.twins import (
     fixed_point_twin_class,
     is_fixed_point,
 )
+
+
+def upgrade_fixed_point(model):
+    """Deprecated: `keras_mp.upgrade(model)` upgrades every legacy file
+    kind, MuPPET's `FixedPointWrapper` models included (one name per
+    job). Warns, then does what it did.
+
+    Example:
+
+    >>> model = keras_mp.upgrade(old)  # not upgrade_fixed_point(old)
+    """
+    import warnings
+
+    warnings.warn(
+        "`keras_mp.muppet.upgrade_fixed_point` is deprecated: use "
+        "`keras_mp.upgrade(model)`, which upgrades every legacy file kind. "
+        "It will be removed in the next release.",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return _upgrade_fixed_point(model)
+
 
 _record.register_section(
     "muppet", fixed_point_record, apply_fixed_point_record, order=30

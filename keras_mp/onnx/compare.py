@@ -34,7 +34,7 @@ class CompareReport:
         max_rel_l2: float. Tolerance at a layer's output.
         precision: str. The float type of the ONNX graph, which set the
             default tolerances: `"float32"`, or `"float16"` for a graph
-            exported with `fp16=True`.
+            exported with `dtype="float16"`.
     """
 
     samples: int
@@ -183,7 +183,7 @@ def compare_onnx(
             127 * 2**-11 step each).
         max_rel_l2: float. A layer output whose relative L2 error exceeds
             this diverges. Defaults to None: 1e-3 for a float32 graph,
-            1e-2 for a float16 one (`export_onnx(fp16=True)`), whose
+            1e-2 for a float16 one (`export_onnx(dtype="float16")`), whose
             activations carry float16 rounding.
 
     A model whose layers compute in float16 or bfloat16 is compared as

@@ -140,7 +140,7 @@ def mark_rounding(traced, specs, inputs, rows, qdqs, fit):
 
 
 # (max_steps, max_rel_l2) by the graph's float type. A float16 graph
-# (`export_onnx(fp16=True)`) rounds every activation to 11 significant
+# (`export_onnx(dtype="float16")`) rounds every activation to 11 significant
 # bits (a relative error up to 2**-11 per op, which adds up over layers),
 # and a Q/DQ's scale and output too: each moves a code of 127 by up to
 # 127 * 2**-11 = 0.06 step, on top of a rounding flip.

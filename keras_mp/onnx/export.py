@@ -225,7 +225,8 @@ def export_onnx(
             0.05 with a 16-bit `dtype` (float16 arithmetic and float16
             scales move the logits by about 1% against the float32 Keras
             model).
-        fp16: bool. Alias of `dtype="float16"`. Defaults to False.
+        fp16: bool. Deprecated alias of `dtype="float16"` (a
+            `DeprecationWarning`). Defaults to False.
         allow_lint_violations: bool. For a model keras_mp quantized
             (`quantize_model`), a graph that breaks the TensorRT contract
             (`check_tensorrt`) raises an ExportError; True writes it with a

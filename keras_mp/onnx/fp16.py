@@ -42,6 +42,14 @@ def resolve_dtype(dtype, fp16, error):
             "was passed too. Pass only dtype. Nothing was written."
         )
     if fp16:
+        import warnings
+
+        warnings.warn(
+            "`fp16=True` is deprecated (one name per job): pass "
+            "dtype='float16'. It will be removed in the next release.",
+            DeprecationWarning,
+            stacklevel=3,
+        )
         return "float16"
     return None if dtype == "float32" else dtype
 

@@ -16,8 +16,8 @@ from keras_mp.muppet import (
     PrecisionState,
     is_fixed_point,
     set_word_length,
-    upgrade_fixed_point,
 )
+from keras_mp.muppet.legacy import upgrade_fixed_point
 from keras_mp.muppet.model import fixed_point_layers, precision_state
 from tests.muppet.conftest import mlp, tiny_data
 from tests.quantization.test_nested import Net
@@ -123,3 +123,11 @@ def test_committed_fixture_upgrades_with_the_same_outputs(tmp_path):
         set_word_length(model, None)
         # computed on another CPU (float32): tolerance.py
         assert_computes_like(model.predict(x, verbose=0), saved["y"], "float32")
+
+
+def test_the_package_name_is_a_deprecated_alias_of_upgrade():
+    import keras_mp.muppet
+
+    with pytest.warns(DeprecationWarning, match="keras_mp.upgrade"):
+        with pytest.raises(ValueError, match="nothing to upgrade"):
+            keras_mp.muppet.upgrade_fixed_point(mlp())

@@ -289,9 +289,11 @@ def mixed_export(tmp_path_factory):
     keras_mp.calibrate(qmodel, x, verbose=0)
     directory = tmp_path_factory.mktemp("mixed")
     paths = {}
-    for precision, fp16 in (("float32", False), ("float16", True)):
+    for precision in ("float32", "float16"):
         paths[precision] = str(directory / f"{precision}.onnx")
-        keras_mp.export_onnx(qmodel, paths[precision], verify_data=x, fp16=fp16)
+        keras_mp.export_onnx(
+            qmodel, paths[precision], verify_data=x, dtype=precision
+        )
     return qmodel, paths, x
 
 

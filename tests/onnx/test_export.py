@@ -220,7 +220,7 @@ def test_fp16_export_is_int8_plus_float16_with_float32_boundaries(tmp_path):
     x = np.random.default_rng(0).random((64, 28, 28, 1), dtype=np.float32)
     qmodel = _quantized(reference_cnn(width=8), x)
     path = str(tmp_path / "fp16.onnx")
-    parity = keras_mp.export_onnx(qmodel, path, verify_data=x, fp16=True)
+    parity = keras_mp.export_onnx(qmodel, path, verify_data=x, dtype="float16")
     assert parity.top1_agreement >= 0.999 and parity.rel_l2 <= 0.05
     proto = onnx.load(path)
     assert max(o.version for o in proto.opset_import if o.domain == "") == 19
@@ -251,7 +251,7 @@ def test_fp16_needs_opset_19_and_says_so(tmp_path):
     x = np.random.default_rng(0).random((8, 28, 28, 1), dtype=np.float32)
     with pytest.raises(keras_mp.ExportError, match="opset >= 19.*opset=19"):
         keras_mp.export_onnx(
-            small_cnn(), tmp_path / "a.onnx", opset=17, fp16=True
+            small_cnn(), tmp_path / "a.onnx", opset=17, dtype="float16"
         )
     assert not (tmp_path / "a.onnx").exists()
     # opsets past tf2onnx's 18 go through ONNX's version converter
@@ -437,3 +437,15 @@ def test_path_that_cannot_take_the_graph_is_refused_first(
             keras_mp.export_onnx(qmodel, tmp_path / name, overwrite=overwrite)
     assert os.listdir(tmp_path) == ["folder"]
     assert os.listdir(tmp_path / "folder") == []
+
+
+def test_fp16_is_a_deprecated_alias_of_dtype(tmp_path):
+    inputs = keras.Input((8, 8, 1))
+    model = keras.Model(inputs, keras.layers.Conv2D(4, 3)(inputs))
+    with pytest.warns(DeprecationWarning, match="dtype='float16'"):
+        keras_mp.export_onnx(model, str(tmp_path / "a.onnx"), fp16=True)
+    with pytest.raises(keras_mp.ExportError, match="Pass only dtype"):
+        keras_mp.export_onnx(
+            model, str(tmp_path / "b.onnx"), fp16=True, dtype="bfloat16"
+        )
+    assert not (tmp_path / "b.onnx").exists()

@@ -1,6 +1,6 @@
 """Mixed precision end to end: a model trained under a 16-bit policy, then
 quantized, calibrated and fine-tuned, exports a float32 graph and a
-float16 (`fp16=True`) graph, each lint-clean with every weighted op behind
+float16 (`dtype="float16"`) graph, each lint-clean with every weighted op behind
 Q/DQ; a Q/DQ scale below float16's smallest normal is raised to it, with a
 warning naming the Keras quantizer and the cost."""
 
@@ -159,7 +159,7 @@ def mobilenet(tmp_path_factory):
     directory = tmp_path_factory.mktemp("mobilenet")
     f32, f16 = directory / "f32.onnx", directory / "f16.onnx"
     _, f32_warnings = _export(qmodel, f32)
-    _, f16_warnings = _export(qmodel, f16, fp16=True)
+    _, f16_warnings = _export(qmodel, f16, dtype="float16")
     return {
         "qmodel": qmodel,
         "x": x[:8],
@@ -235,7 +235,7 @@ def _small_activation_model():
 def small_activation(tmp_path_factory):
     """The model above under mixed_float16 with a LossScaleOptimizer:
     calibrated, one QAT step, one output channel of conv_b pruned to zero,
-    then exported as float32 and as fp16=True (parity checked)."""
+    then exported as float32 and as dtype="float16" (parity checked)."""
     keras.utils.set_random_seed(0)
     rng = np.random.default_rng(0)
     x = rng.random((64, 28, 28, 1), dtype=np.float32)
@@ -259,7 +259,9 @@ def small_activation(tmp_path_factory):
     directory = tmp_path_factory.mktemp("small_activation")
     f32, f16 = directory / "f32.onnx", directory / "f16.onnx"
     f32_report, f32_warnings = _export(qmodel, f32, verify_data=x)
-    f16_report, f16_warnings = _export(qmodel, f16, verify_data=x, fp16=True)
+    f16_report, f16_warnings = _export(
+        qmodel, f16, verify_data=x, dtype="float16"
+    )
     return {
         "qmodel": qmodel,
         "amax": float(conv_b.input_quantizers[0].amax.numpy()),

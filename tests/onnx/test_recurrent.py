@@ -73,7 +73,10 @@ def exported(tmp_path_factory):
                 keras_mp.calibrate(model, TOKENS)
             path = str(folder / f"{name}.onnx")
             keras_mp.export_onnx(
-                model, path, verify_data=TOKENS, fp16=mode == "fp16"
+                model,
+                path,
+                verify_data=TOKENS,
+                dtype="float16" if mode == "fp16" else "float32",
             )
             done[name] = model, path
         return done[name]

@@ -77,7 +77,7 @@ def test_fp16_true_still_writes_float16_for_a_mixed_model(tmp_path):
     x = _data(16)
     model = _mixed("mixed_bfloat16")
     path = tmp_path / "fp16.onnx"
-    keras_mp.export_onnx(model, path, verify_data=x, fp16=True)
+    keras_mp.export_onnx(model, path, verify_data=x, dtype="float16")
     types = _element_types(path)
     assert onnx.TensorProto.FLOAT16 in types
     assert onnx.TensorProto.BFLOAT16 not in types

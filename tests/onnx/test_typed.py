@@ -210,13 +210,17 @@ def test_threshold_is_a_parameter(encoder, tmp_path):
     assert "policy" in report.typed.by_reason()
 
 
+@pytest.mark.filterwarnings("ignore:`fp16=True` is deprecated")
 def test_fp16_true_is_dtype_float16(encoder, tmp_path):
     model, x = encoder
     a = keras_mp.export_onnx(
         model, tmp_path / "a.onnx", fp16=True, verify_data=x
-    )
+    )  # the deprecated alias still makes the same graph
     b = keras_mp.export_onnx(
-        model, tmp_path / "b.onnx", dtype="float16", fp16=True, verify_data=x
+        model,
+        tmp_path / "b.onnx",
+        dtype="float16",
+        verify_data=x,
     )
     assert a.typed.dtype == "float16"
     assert [(e.op_type, e.reason) for e in a.typed.float32_nodes] == [
