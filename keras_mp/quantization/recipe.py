@@ -220,6 +220,7 @@ def _attach_sites(layer, sites, fmt, config, site_attr=None):
         object.__setattr__(layer, "op_quantizers", getattr(layer, site_attr))
         object.__setattr__(layer, "site_attr", site_attr)
     by_site = {}
+    shared = {}  # (site, operand) of a float site -> its readers' Q/DQ
     for k, site in enumerate(sites):
         if site.get("float"):
             continue
@@ -234,9 +235,13 @@ def _attach_sites(layer, sites, fmt, config, site_attr=None):
                 q.build(tuple(spec["shape"]))
             elif role == "input" and spec.get("same"):
                 s, j = spec["same"]
-                q = by_site.get(s, {}).get(j)
+                q = by_site.get(s, {}).get(j) or shared.get((s, j))
                 if q is None:
-                    continue
+                    # the first reader of this tensor stays float (a small
+                    # router GEMM): this operand gets the tensor's Q/DQ,
+                    # which later readers share (`same` names the first)
+                    q = _activation(fmt, config, name)
+                    shared[(s, j)] = q
             elif role in ("input", "probs"):
                 matmul_input = "probs" if role == "probs" else None
                 q = _activation(fmt, config, name, matmul_input)

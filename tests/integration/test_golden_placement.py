@@ -329,6 +329,14 @@ SLOW = {"zoo_MobileNetV3Small", "keras_hub_T5Backbone"}
 
 def _param(model_id, marks=()):
     marks = list(marks) + ([pytest.mark.slow] if model_id in SLOW else [])
+    if model_id == "reference_cnn":
+        # as users get it: the small-GEMM rule on (`placement.MIN_GEMM_DIM`:
+        # its 10-class head stays float). The layer-table samples and the
+        # tiny keras-hub configs (hidden 8-16) record their placement with
+        # it off: at their size the rule would leave most GEMMs float and
+        # the golden would check nothing; the zoo's export is the
+        # session's `zoo_measured`, shared with tests that have it off.
+        marks.append(pytest.mark.gemm_rule)
     return pytest.param(model_id, marks=marks)
 
 

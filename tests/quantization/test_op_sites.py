@@ -313,3 +313,34 @@ def test_a_model_that_cannot_run_on_zeros_keeps_its_op_sites_float():
         for layer in twins.quantized_layers(qmodel)
         if getattr(layer, "op_sites", None)
     ]
+
+
+@keras.saving.register_keras_serializable(package="test_op_sites")
+class RoutedFirst(keras.layers.Layer):
+    """A tiny router GEMM (N = 3: float by the small-GEMM rule) reads `x`
+    first; the experts' einsum reads the same `x` after it."""
+
+    def build(self, shape):
+        d = shape[-1]
+        self.w = self.add_weight(shape=(3, d, d), name="w")
+        self.g = self.add_weight(shape=(d, 3), name="g")
+
+    def call(self, x):
+        gate = keras.ops.sigmoid(keras.ops.einsum("btd,de->bte", x, self.g))
+        y = keras.ops.einsum("btd,edf->btef", x, self.w)
+        return keras.ops.einsum("btef,bte->btf", y, gate)
+
+
+@pytest.mark.gemm_rule  # the router stays float by the small-GEMM rule
+def test_a_tensor_first_read_by_a_float_site_is_quantized_for_the_next():
+    inputs = keras.Input((8, 32))
+    model = keras.Model(inputs, RoutedFirst(name="routed")(inputs))
+    qmodel = keras_mp.quantize_model(model)
+    layer = qmodel.model.get_layer("routed")
+    router, experts, _ = layer.op_sites
+    assert router.get("float") and experts["operands"][0].get("same")
+    quantizers = layer.op_quantizers_by_site[1]
+    assert sorted(quantizers) == [0, 1]  # x and the expert weights
+    x = np.random.default_rng(0).normal(size=(16, 8, 32)).astype("float32")
+    keras_mp.calibrate(qmodel, x, verbose=0)
+    assert float(quantizers[0].amax.numpy()) > 0
