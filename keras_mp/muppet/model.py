@@ -19,6 +19,7 @@ from keras_mp.muppet.quantizer import check_word_length
 from keras_mp.muppet.record import apply_fixed_point_record
 from keras_mp.quantization import op_probe
 from keras_mp.quantization.layers import quantizable_row
+from keras_mp.quantization.recipe import PROBE_LENGTHS
 
 
 def _check(model, in_place):
@@ -56,11 +57,15 @@ def _check(model, in_place):
         )
 
 
-def _sample_inputs(model):
+def _sample_inputs(model, length=1):
     """Zero tensors shaped and typed like `model`'s inputs, in their
-    structure (a dimension left free is 1)."""
+    structure (batch 1, another free dimension `length`)."""
+
+    def shape(dims):
+        return [d or (1 if i == 0 else length) for i, d in enumerate(dims)]
+
     return keras.tree.map_structure(
-        lambda t: keras.ops.zeros([d or 1 for d in t.shape], t.dtype),
+        lambda t: keras.ops.zeros(shape(t.shape), t.dtype),
         _models.symbolic_inputs(model),
     )
 
@@ -79,12 +84,6 @@ def probe_model(model, walked):
         op-sites row: custom layers, `Dot`, attention): their activations
         run in fixed point too.
     """
-    sample = _sample_inputs(model)
-    targets = {
-        id(t): i
-        for i, t in enumerate(keras.tree.flatten(sample))
-        if keras.backend.is_float_dtype(t.dtype)
-    }
     layers = [
         (index, layer)
         for index, (layer, parents) in enumerate(walked)
@@ -96,13 +95,29 @@ def probe_model(model, walked):
         for _, layer in layers
         if (row := quantizable_row(layer)) is None or row.op_sites
     ]
-    try:
-        found, changed, _, received = op_probe.probe(
+
+    def run(length):
+        sample = _sample_inputs(model, length)
+        targets = {
+            id(t): i
+            for i, t in enumerate(keras.tree.flatten(sample))
+            if keras.backend.is_float_dtype(t.dtype)
+        }
+        return targets, op_probe.probe(
             lambda: model(sample, training=False),
             [layer for _, layer in layers],
             candidates,
             targets,
         )
+
+    try:
+        for length in PROBE_LENGTHS:  # quantization's lengths
+            try:
+                targets, (found, changed, _, received) = run(length)
+                break
+            except Exception:
+                if length == PROBE_LENGTHS[-1]:
+                    raise
     except Exception as e:  # a model that needs real data: no probe
         warnings.warn(
             f"fixed_point_model: could not run model {model.name!r} on zeros "

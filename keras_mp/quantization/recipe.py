@@ -358,15 +358,39 @@ def _legacy_sites(model, walked, entries):
     return updated
 
 
-def _zeros_like_inputs(model):
+# The lengths a free (None) axis of the zero inputs takes, tried in turn:
+# most models run at 1; a convolutional stem with large strides (Moonshine's
+# audio encoder) needs a longer signal.
+PROBE_LENGTHS = (1, 32, 1024)
+
+
+def _zeros_like_inputs(model, length=1):
+    """Zeros shaped like `model`'s inputs, batch 1, each other free axis
+    `length` long."""
+
+    def shape(dims):
+        return [d or (1 if i == 0 else length) for i, d in enumerate(dims)]
+
     specs = _inputs.input_specs(model, "quantize_model")
     if specs is None:  # subclassed: the shape it was built with
-        shape = (model.get_build_config() or {})["input_shape"]
+        built = (model.get_build_config() or {})["input_shape"]
         return keras.tree.map_shape_structure(
-            lambda s: np.zeros([d or 1 for d in s], "float32"), shape
+            lambda s: np.zeros(shape(s), "float32"), built
         )
-    arrays = [np.zeros([d or 1 for d in s.shape], s.dtype) for s in specs]
+    arrays = [np.zeros(shape(s.shape), s.dtype) for s in specs]
     return _inputs.call_arg(model, arrays, specs)
+
+
+def run_on_zeros(model, run):
+    """`run(sample)` on `_zeros_like_inputs(model, length)` for each of
+    `PROBE_LENGTHS` until one runs; the last error when none does."""
+    for length in PROBE_LENGTHS:
+        try:
+            return run(_zeros_like_inputs(model, length))
+        except Exception:
+            if length == PROBE_LENGTHS[-1]:
+                raise
+    return None
 
 
 def make_recipe(structure, choices):
@@ -415,11 +439,13 @@ def _probe(structure, walked, choices, others):
         the model cannot run on zeros: a warning says what stays float).
     """
     try:
-        sample = _zeros_like_inputs(structure)
-        sites, changed, calls, _ = op_probe.probe(
-            lambda: structure(sample, training=False),
-            [walked[i][0] for i in choices],
-            [walked[i][0] for i in others],
+        sites, changed, calls, _ = run_on_zeros(
+            structure,
+            lambda sample: op_probe.probe(
+                lambda: structure(sample, training=False),
+                [walked[i][0] for i in choices],
+                [walked[i][0] for i in others],
+            ),
         )
     except Exception as e:  # a model that needs real data: no probe
         if others:
