@@ -191,10 +191,10 @@ def test_channel_amax_is_the_per_channel_max_abs(kernel, data):
 
 def _exponent(x, word_length):
     """The block exponent s of fixed_point_quantize's definition, in exact
-    float32 arithmetic. None when the tensor can only be zero: all zero, or
-    its ratio U / max|x| overflows float32 (max|x| below ~3.7e-37 at 8
-    bits), where the quantizer falls back to exponent 0 and rounds every
-    value to 0."""
+    float32 arithmetic. None for an all-zero tensor; when the ratio
+    U / max|x| overflows float32 (max|x| below ~3.7e-37 at 8 bits), the
+    largest exponent, 126, as the quantizer takes (hypothesis found
+    x = 1.92e-38 at 4 bits: 2 steps of 2**-126, not 0)."""
     half = 2.0 ** (word_length - 1)
     upper, lower = np.float32(half - 0.5), np.float32(-half - 0.5)
     x_max, x_min = np.max(x), np.min(x)
@@ -204,8 +204,10 @@ def _exponent(x, word_length):
             ratios.append(upper / x_max)
         if x_min < 0:
             ratios.append(lower / x_min)
-    if not ratios or not math.isfinite(min(ratios)):
+    if not ratios:
         return None
+    if not math.isfinite(min(ratios)):
+        return 126
     _, e = math.frexp(float(min(ratios)))  # ratio = f * 2**e, 0.5 <= f < 1
     return int(np.clip(e - 1, -126, 126))
 
