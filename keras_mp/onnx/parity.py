@@ -382,7 +382,7 @@ def _ort_errors(model, onnx_path, what):
                 "types in the graph (for example float16 meeting bfloat16: "
                 "a layer left computing in 16 bits, which `keras_mp."
                 "mixed_precision_audit(model)` lists). Export the float32 "
-                "model (or `fp16=True` for float16)."
+                "model (or `dtype='float16'`)."
             )
         raise ExportError(
             f"ONNX Runtime could not {what} the ONNX graph of model "

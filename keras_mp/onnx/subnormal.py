@@ -220,9 +220,9 @@ def raised_message(raised, model):
     name = f" of model {model.name!r}" if model is not None else ""
     listing = "\n".join(f"  - {owner}: {cost}" for owner, cost in lines)
     return (
-        f"fp16=True: {len(lines)} quantizer(s){name} have a Q/DQ scale below "
-        f"float16's smallest normal number {FP16_TINY:.3g}, which float16 "
-        "would store with fewer significant bits and flush-to-zero kernels "
+        f"dtype='float16': {len(lines)} quantizer(s){name} have a Q/DQ "
+        f"scale below float16's smallest normal number {FP16_TINY:.3g}, "
+        "which float16 would store with fewer significant bits and flush-to-zero kernels "
         "read as 0. Each was raised to the smallest normal (the Q and DQ of "
         "a pair together; weight codes requantized), which coarsens its "
         f"grid:\n{listing}\nThe parity check (verify_data) measures the "

@@ -68,7 +68,9 @@ def test_fp16_export_of_subclassed_model_with_subnormal_scales(tmp_path):
             q, tmp_path / "q16.onnx", dtype="float16", verify_data=x
         )
     assert report is not None
-    raised = [str(w.message) for w in record if "dtype="float16"" in str(w.message)]
+    raised = [
+        str(w.message) for w in record if "dtype='float16'" in str(w.message)
+    ]
     assert raised and "fc1" in raised[0], raised
     assert os.path.isfile(tmp_path / "q16.onnx")
 
