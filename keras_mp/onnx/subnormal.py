@@ -222,8 +222,8 @@ def raised_message(raised, model):
     return (
         f"dtype='float16': {len(lines)} quantizer(s){name} have a Q/DQ "
         f"scale below float16's smallest normal number {FP16_TINY:.3g}, "
-        "which float16 would store with fewer significant bits and flush-to-zero kernels "
-        "read as 0. Each was raised to the smallest normal (the Q and DQ of "
+        "which float16 would store with fewer significant bits and "
+        "flush-to-zero kernels read as 0. Each was raised to the smallest normal (the Q and DQ of "
         "a pair together; weight codes requantized), which coarsens its "
         f"grid:\n{listing}\nThe parity check (verify_data) measures the "
         "effect on the outputs. To keep the full grid, export with "
