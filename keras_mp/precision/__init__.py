@@ -13,11 +13,12 @@ from keras_mp.precision.cost import (
     latency,
     layer_work,
 )
+from keras_mp.precision.metrics import threshold_accuracy, top1_accuracy
 from keras_mp.precision.reports import (
     AutoQuantizeReport,
     Choice,
     SensitivityReport,
     SensitivityRow,
 )
-from keras_mp.precision.search import auto_quantize, top1_accuracy
+from keras_mp.precision.search import auto_quantize
 from keras_mp.precision.sensitivity import layer_sensitivity

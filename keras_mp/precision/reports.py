@@ -59,6 +59,8 @@ class SensitivityReport:
         passes: dict. Forward and backward passes over a batch:
             `{"calibration": n, "forward": n, "backward": n}`.
         seconds: float. Wall time.
+        metric: str. The metric whose drop is scored (method
+            `"metric"`), else "".
 
     Example:
 
@@ -74,9 +76,12 @@ class SensitivityReport:
     samples: int
     passes: dict
     seconds: float
+    metric: str = ""
 
     def to_table(self):
         what = _SCORES[self.method]
+        if self.metric:
+            what = f"drop of {self.metric} with the layer alone quantized"
         lines = [
             f"Layer sensitivity ({what}; {self.samples} samples, "
             f"{self.calibration} ranges, {self.seconds:.1f} s):",
@@ -199,6 +204,9 @@ class AutoQuantizeReport:
             (scoring) and evaluation.
         seconds: float. Wall time of the whole search.
         sensitivity: the `SensitivityReport`.
+        metric_name: str. What `metric` measures (`"top-1 accuracy"`,
+            `"accuracy at threshold 0.5 (...)"`, a metric function's
+            name).
 
     Example:
 
@@ -221,6 +229,7 @@ class AutoQuantizeReport:
     passes: dict
     seconds: float
     sensitivity: object = dataclasses.field(repr=False, default=None)
+    metric_name: str = ""
 
     @property
     def drop(self):
@@ -231,7 +240,8 @@ class AutoQuantizeReport:
         for c in self.choices:
             counts[c.precision] = counts.get(c.precision, 0) + 1
         lines = [
-            f"auto_quantize ({self.cost} on {self.gpu}): metric "
+            f"auto_quantize ({self.cost} on {self.gpu}): "
+            f"{self.metric_name or 'metric'} "
             f"{self.metric:.4f} vs float {self.metric_float:.4f} (drop "
             f"{self.drop:.4f}, budget {self.max_drop:.4f}); "
             + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())),

@@ -28,14 +28,10 @@ import numpy as np
 from keras_mp import _inputs, _models
 from keras_mp._compat import require_tensorflow
 from keras_mp.precision import cost as cost_model
+from keras_mp.precision import metrics
+from keras_mp.precision.copies import float_copy, paths_in, quantizers_by_path
 from keras_mp.precision.reports import AutoQuantizeReport, Choice
-from keras_mp.precision.sensitivity import (
-    float_copy,
-    metric_value,
-    precision_tuple,
-    score_layers,
-)
-from keras_mp.quantization import twins
+from keras_mp.precision.sensitivity import precision_tuple, score_layers
 from keras_mp.quantization.annotate import quantize_model
 from keras_mp.quantization.calibrate import calibrate
 from keras_mp.quantization.config import PRECISIONS, QuantizeConfig
@@ -76,8 +72,9 @@ def auto_quantize(
         model: a built float `keras.Model`.
         data: calibration and scoring inputs, as `layer_sensitivity`'s.
         labels: labels of array `data`, or None (then the scores are the
-            output KL divergence and the metric is the agreement of the
-            top-1 class with the float model's).
+            output KL divergence and the metric is the agreement with the
+            float model's decisions: its top-1 class, or its thresholded
+            output for a one-unit output).
         max_drop: float >= 0. The largest metric drop allowed, in the
             metric's units (top-1 accuracy as a fraction: 0.001 is 0.1
             point). Defaults to 0.01.
@@ -87,7 +84,13 @@ def auto_quantize(
         gpu: str or `keras_mp.precision.GPU`. The GPU the latency model
             prices (`keras_mp.precision.GPUS`). Defaults to `"H100"`.
         metric: callable `metric(y_true, y_pred) -> float`, higher is
-            better. Defaults to top-1 accuracy.
+            better. Defaults to top-1 accuracy; for a one-unit output (a
+            binary classifier), `keras_mp.precision.threshold_accuracy`
+            at 0.5 on probabilities (a last layer ending in a sigmoid) or
+            0 on logits (no activation; for any other last layer, told
+            apart by the float outputs lying in [0, 1] or not). Without
+            labels, both compare with the float model's decisions. The
+            report names the metric (`metric_name`).
         loss: callable for the gradient scores (`layer_sensitivity`).
         calibration: str. The `keras_mp.calibrate` method. Defaults to
             `"auto"`.
@@ -257,6 +260,7 @@ def auto_quantize(
         passes=passes,
         seconds=time.perf_counter() - start,
         sensitivity=sensitivity,
+        metric_name=evaluation.name,
     )
     return qmodel, report
 
@@ -410,10 +414,10 @@ def _build(model, rows, config, qmodels, recalibrate):
     if all(p == FLOAT for p in config):
         return None
 
-    copy = float_copy(model, "auto_quantize")
+    copy, paths = float_copy(model, "auto_quantize")
     ids = {FLOAT: set(), **{p: set() for p in qmodels}}
-    for layer, parents in _models.walk_layers(copy, with_parents=True):
-        path = _models.layer_path(layer, parents)
+    for layer in _models.walk_layers(copy):
+        path = paths[id(layer)]
         if path in by_path:
             ids[by_path[path]].add(id(layer))
     configs = {
@@ -430,34 +434,37 @@ def _build(model, rows, config, qmodels, recalibrate):
         layers=_member_of(set().union(*ids.values())),
         in_place=True,
     )
+    # quantizers named by the paths of `model`: each copy's layers may
+    # have other names (sublayers a layer makes in `build`)
     sources = {
-        p: {q.name: q.quantizer for q in twins.quantizers(m)}
-        for p, m in qmodels.items()
+        p: quantizers_by_path(m, paths_in(model, m)) for p, m in qmodels.items()
     }
-    if _copy_ranges(qmodel, sources, by_path):
+    mine = quantizers_by_path(qmodel, paths)
+    if _copy_ranges(mine, sources, by_path, paths):
         # a quantizer the per-precision models do not have (a placement
         # that depends on the neighbours' choice): calibrate this model,
         # then keep the shared ranges identical to theirs
         recalibrate(qmodel)
-        _copy_ranges(qmodel, sources, by_path)
+        _copy_ranges(mine, sources, by_path, paths)
     _models.reset_compiled_functions(qmodel)
     return qmodel
 
 
-def _copy_ranges(qmodel, sources, by_path):
-    """Copies each quantizer's range from the calibrated model of its
-    layer's precision; returns the names it found no range for."""
+def _copy_ranges(mine, sources, by_path, paths):
+    """Copies the range of each quantizer of `mine` (`{name: Quantizer}`)
+    from the calibrated model of its layer's precision (`sources`:
+    `{precision: {name: Quantizer}}`; `paths`: the layers' paths, as
+    `copies.paths_in`); returns the names it found no range for."""
     missing = []
-    for q in twins.quantizers(qmodel):
-        owned = q.layer is not q.quantizer
-        p = by_path.get(q.name.rsplit("/", 1)[0] if owned else q.name)
-        source = sources.get(p, {}).get(q.name)
-        if source is None or tuple(source.amax.shape) != tuple(
+    for name, q in mine.items():
+        p = by_path.get(paths.get(id(q.layer)))
+        source = sources.get(p, {}).get(name)
+        if source is None or tuple(source.quantizer.amax.shape) != tuple(
             q.quantizer.amax.shape
         ):
-            missing.append(q.name)
+            missing.append(name)
             continue
-        q.quantizer.amax.assign(source.amax)
+        q.quantizer.amax.assign(source.quantizer.amax)
     return missing
 
 
@@ -466,21 +473,29 @@ def _member_of(ids):
 
 
 class _Evaluation:
-    """The metric of a model on the evaluation data, and its float
-    value."""
+    """The metric of a model on the evaluation data, its float value,
+    and its name (the default: `metrics.default_metric`)."""
 
     def __init__(self, model, data, labels, metric, batch_size, specs, caller):
         self.batches = list(
             _inputs.batches(data, specs, caller, batch_size, None, labels)
         )
         self.specs, self.caller = specs, caller
-        self.metric = metric or top1_accuracy
         self.passes = 0
         predictions = self._predict(model)
+        with_labels = self.batches[0][1] is not None
+        threshold, why = metrics.binary_threshold(model, predictions[0])
+        if metric is None:
+            metric, self.name = metrics.default_metric(
+                threshold, why, with_labels
+            )
+        else:
+            self.name = metrics.metric_name(metric)
+        self.metric = metric
         self.labels = (
             [y for _, y in self.batches]
-            if self.batches[0][1] is not None
-            else [np.argmax(p, axis=-1) for p in predictions]
+            if with_labels
+            else [metrics.reference_labels(p, threshold) for p in predictions]
         )
         self.base = self._score(predictions, "the float model")
 
@@ -493,7 +508,7 @@ class _Evaluation:
         return out
 
     def _score(self, predictions, what):
-        return metric_value(
+        return metrics.metric_value(
             self.metric,
             np.concatenate(self.labels),
             np.concatenate(predictions),
@@ -503,9 +518,3 @@ class _Evaluation:
 
     def metric_of(self, qmodel):
         return self._score(self._predict(qmodel), "a quantized model")
-
-
-def top1_accuracy(y_true, y_pred):
-    """The fraction of samples whose largest output is the label."""
-    y_true = np.asarray(y_true).reshape(-1)
-    return float(np.mean(np.argmax(y_pred, axis=-1).reshape(-1) == y_true))

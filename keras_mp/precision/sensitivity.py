@@ -22,7 +22,6 @@ Guide: `docs/precision.md`.
 """
 
 import functools
-import math
 import re
 import time
 
@@ -33,6 +32,8 @@ import tensorflow as tf
 from keras_mp import _inputs, _keras, _models, _record
 from keras_mp._compat import require_tensorflow
 from keras_mp.precision import cost as cost_model
+from keras_mp.precision import metrics
+from keras_mp.precision.copies import float_copy
 from keras_mp.precision.reports import SensitivityReport, SensitivityRow
 from keras_mp.quantization import twins
 from keras_mp.quantization.annotate import quantize_model
@@ -77,14 +78,19 @@ def layer_sensitivity(
         labels: array of labels for array `data`, or None.
         precisions: tuple of `"int8"` and/or `"fp8"`.
         metric: callable `metric(y_true, y_pred) -> float`, higher is
-            better (`keras_mp.precision.top1_accuracy` for example). The
-            score is `metric(float model) - metric(layer quantized)` over the
-            scoring batches, on `labels`, or without labels on the float
-            model's top-1 as labels. None: the gradient or KL score.
+            better (`keras_mp.precision.top1_accuracy`, or for a one-unit
+            output `threshold_accuracy`). The score is `metric(float
+            model) - metric(layer quantized)` over the scoring batches, on
+            `labels`, or without labels on the float model's decisions as
+            labels (its top-1; a one-unit output thresholded, 0.5 on
+            probabilities, 0 on logits). None: the gradient or KL score.
         loss: callable `loss(y_true, y_pred) -> scalar` to differentiate.
             Defaults to (sparse) cross-entropy for integer labels and a
             classifier output (logits or probabilities, told apart on the
-            data), mean squared error otherwise.
+            data), binary cross-entropy for labels 0 and 1 and a one-unit
+            output (logits or probabilities, told apart by its last
+            layer's activation: `metrics.binary_threshold`), mean squared
+            error otherwise.
         calibration: str. The `keras_mp.calibrate` method of the ranges.
             Defaults to `"auto"`.
         num_batches: int. Scoring batches. Defaults to 4.
@@ -125,19 +131,6 @@ def layer_sensitivity(
         verbose=verbose,
     )
     return report
-
-
-_COPY_ADVICE = (
-    "so that `layer_sensitivity` and `auto_quantize`, which quantize "
-    "copies of the model (one per precision, one per configuration "
-    "measured), can make them."
-)
-
-
-def float_copy(model, caller):
-    """A copy of `model` to quantize in place; one that cannot be made
-    gets this feature's advice."""
-    return _models.copy_model(model, caller, _COPY_ADVICE)
 
 
 def precision_tuple(precisions, allowed, caller):
@@ -217,9 +210,8 @@ def score_layers(
     passes = {"calibration": 0, "forward": 0, "backward": 0}
     float_out = None
     for p in precisions:
-        qmodel = quantize_model(
-            float_copy(model, caller), precision=p, in_place=True
-        )
+        copy, paths = float_copy(model, caller)
+        qmodel = quantize_model(copy, precision=p, in_place=True)
         cal = calibrate(
             qmodel,
             data,
@@ -230,7 +222,7 @@ def score_layers(
         )
         passes["calibration"] += cal.batches
         qmodels[p] = qmodel
-        found = coupled_units(qmodel)
+        found = coupled_units(qmodel, paths)
         if units is None:
             units = found
             rows = {
@@ -263,7 +255,7 @@ def score_layers(
                 float_out = [_outputs(qmodel, x, specs) for x, _ in batches]
                 passes["forward"] += len(batches)
                 score = (
-                    _metric_drop(metric, batches, float_out, caller)
+                    _metric_drop(model, metric, batches, float_out, caller)
                     if method == "metric"
                     else functools.partial(_kl_total, float_out)
                 )
@@ -296,8 +288,16 @@ def score_layers(
         sum(len(x[0]) for x, _ in batches),
         passes,
         time.perf_counter() - start,
+        metric=_metric_name(metric, all(with_labels)),
     )
     return report, qmodels
+
+
+def _metric_name(metric, with_labels):
+    if metric is None:
+        return ""
+    name = metrics.metric_name(metric)
+    return name if with_labels else f"{name} on the float model's decisions"
 
 
 def _check_labels(model, labels, caller):
@@ -341,24 +341,27 @@ def _check_labels(model, labels, caller):
     )
 
 
-def coupled_units(qmodel):
+def coupled_units(qmodel, paths):
     """`{unit name: [(layer path, twin), ...]}`: every quantized twin of
     `qmodel`, the query/key/value projections of one attention layer
-    (siblings named so) as one unit, in walk order."""
+    (siblings named so) as one unit, in walk order. Paths are those
+    `paths` gives (`copies.paths_in`: the user's model's), whatever names
+    the copy's layers got."""
     units, by_parent = {}, {}
     root = _record.contents(qmodel)
     for layer, parents in _models.walk_layers(root, with_parents=True):
         if not twins.is_quantized(layer):
             continue
-        path = _models.layer_path(layer, parents)
-        parent = "/".join(p.name for p in parents)
-        if _COUPLED.fullmatch(layer.name) and parents:
+        path = paths[id(layer)]
+        name = path.rsplit("/", 1)[-1]
+        if _COUPLED.fullmatch(name) and parents:
+            parent = paths[id(parents[-1])]
             by_parent.setdefault(parent, []).append((path, layer))
         units[path] = [(path, layer)]
     for parent, members in by_parent.items():
         if len(members) < 2:
             continue
-        names = ",".join(layer.name for _, layer in members)
+        names = ",".join(path.rsplit("/", 1)[-1] for path, _ in members)
         group = f"{parent}/{{{names}}}"
         first = members[0][0]
         rebuilt = {}
@@ -455,7 +458,7 @@ def _gradient_scores(qmodel, units, batches, specs, loss, verbose, p):
                 outputs = qmodel(
                     _inputs.call_arg(qmodel, x, specs), training=False
                 )
-            value = _loss(loss, y, outputs)
+            value = _loss(loss, y, outputs, qmodel)
         grads = tape.gradient(value, [z for _, z, _ in probe.found])
         for (unit, _, delta), g in zip(probe.found, grads):
             if g is None:  # an output nothing downstream reads
@@ -495,44 +498,32 @@ def _one_at_a_time(qmodel, units, batches, specs, score, verbose, p):
     return scores, works
 
 
-def _metric_drop(metric, batches, float_out, caller):
+def _metric_drop(model, metric, batches, float_out, caller):
     """`score(outputs per batch)`: `metric` on the float outputs minus on
-    these, on the batches' labels (else the float model's top-1)."""
+    these, on the batches' labels (else the float model's decisions:
+    `metrics.reference_labels`)."""
     if any(len(out) != 1 for out in float_out):
         raise ValueError(
             f"`{caller}`: a `metric` scores a model of one output; this one "
             f"has {len(float_out[0])}. Pass a `loss` that combines them, or "
             "no metric (the KL score)."
         )
+    threshold, _ = metrics.binary_threshold(model, float_out[0][0])
     labels = np.concatenate(
         [
-            np.argmax(out[0], axis=-1) if y is None else np.asarray(y)
+            metrics.reference_labels(out[0], threshold)
+            if y is None
+            else np.asarray(y)
             for (_, y), out in zip(batches, float_out)
         ]
     )
 
     def value(outs, what):
         predictions = np.concatenate([out[0] for out in outs])
-        return metric_value(metric, labels, predictions, what, caller)
+        return metrics.metric_value(metric, labels, predictions, what, caller)
 
     base = value(float_out, "the float model")
     return lambda outs: base - value(outs, "a quantized layer's model")
-
-
-def metric_value(metric, y_true, y_pred, what, caller):
-    """`metric(y_true, y_pred)` as a float, or a ValueError naming `what`
-    was measured when it is not a finite number."""
-    found = metric(y_true, y_pred)
-    try:
-        found = float(found)
-    except (TypeError, ValueError):
-        found = math.nan
-    if not math.isfinite(found):
-        raise ValueError(
-            f"`{caller}`: the metric of {what} is {found} (not a finite "
-            "number). Check the metric function and the data."
-        )
-    return found
 
 
 def _outputs(model, x, specs):
@@ -578,7 +569,7 @@ def _kl(reference, quantized):
     return total
 
 
-def _loss(loss, y, outputs):
+def _loss(loss, y, outputs, model):
     if loss is not None:
         return tf.cast(loss(y, outputs), tf.float32)
     found = _tensors(outputs)
@@ -596,4 +587,12 @@ def _loss(loss, y, outputs):
                 y, out, from_logits=logits
             )
         )
-    return tf.reduce_mean(tf.square(out - tf.cast(y, tf.float32)))
+    target = tf.reshape(tf.cast(y, tf.float32), tf.shape(out))
+    if (not out.shape[-1] or out.shape[-1] == 1) and np.isin(y, (0, 1)).all():
+        threshold, _ = metrics.binary_threshold(model, out.numpy())
+        return tf.reduce_mean(
+            keras.losses.binary_crossentropy(
+                target, out, from_logits=threshold == 0.0
+            )
+        )
+    return tf.reduce_mean(tf.square(out - target))

@@ -186,7 +186,7 @@ def test_metric_score_is_the_metric_drop(trained, tmp_path, with_labels):
             _by_name(report)[name].scores["int8"], want, rtol=1e-4
         )
     assert report.method == "metric"
-    assert "metric drop" in report.to_table()
+    assert "drop of _log_likelihood" in report.to_table()
     report.plot(tmp_path / "metric.png")
     assert (tmp_path / "metric.png").stat().st_size > 0
 
