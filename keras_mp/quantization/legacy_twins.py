@@ -195,7 +195,9 @@ def einsum_attention(
     Args:
         layer: the `MultiHeadAttention` (or a subclass, e.g. keras-hub's
             `CachedMultiHeadAttention`).
-        query, key, value: the projected tensors, `(B, T, N, H)`.
+        query: the projected query, `(B, T, N, H)`.
+        key: the projected key, `(B, S, N, H)`.
+        value: the projected value, `(B, S, N, H)`.
         attention_mask: boolean mask `(B, T, S)` or None.
         training: bool or None, for the attention dropout.
         quantize: dict of callables by `"query"` (the scaled query),
