@@ -144,18 +144,7 @@ __all__ = [
 # Names that left the top level, still served for one release with a
 # DeprecationWarning naming their new home (`docs/migration.md`).
 _MOVED = {
-    **dict.fromkeys(
-        (
-            "FixedPointInput",
-            "FixedPointWrapper",
-            "PrecisionState",
-            "QuantizeAnnotate",
-            "QuantizeWrapper",
-            "QuantizedModel",
-            "SparseModel",
-        ),
-        "keras_mp.legacy",
-    ),
+    **dict.fromkeys(legacy.__all__, "keras_mp.legacy"),
     **dict.fromkeys(
         (
             "load_digits",
