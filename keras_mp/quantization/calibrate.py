@@ -145,7 +145,9 @@ def calibrate(
     if not quantizers:
         raise ValueError(
             f"Model {model.name!r} has no activation quantizer to calibrate. "
-            "Quantize it first with keras_mp.quantize_model(model)."
+            "Quantize it first with keras_mp.quantize_model(model). (An "
+            "INT4 weight-only model needs no calibration: its block ranges "
+            "come from the weights.)"
         )
     quantizers = {n: q for n, q in quantizers.items() if n not in fixed}
     calibrators = {}

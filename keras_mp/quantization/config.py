@@ -9,9 +9,12 @@ import dataclasses
 
 import keras
 
+from keras_mp.quantization.formats import FORMATS
+
 # The precisions a layer can be quantized to: the `FORMATS` rows TensorRT
-# runs (int8 stands for the int rows of `num_bits`).
-PRECISIONS = ("int8", "fp8")
+# runs (int8 stands for the int rows of `num_bits`; int4 is the int4 row's
+# block-scaled, weight-only form).
+PRECISIONS = ("int8", "fp8", "int4")
 # Other names of those precisions, lowercase: FP8 is E4M3 (TensorRT's FP8
 # Q/DQ, the ONNX FLOAT8E4M3FN zero point).
 _ALIASES = {
@@ -57,8 +60,13 @@ class QuantizeConfig:
             config keeps the lowercase name. Where
             TensorRT has no FP8 kernel (convolutions with 16 channels or
             fewer in or out, or a filter of more than 32 taps) the layer
-            takes INT8 and `quantization_report` says so. Defaults to
-            `"int8"`.
+            takes INT8 and `quantization_report` says so. `"int4"`: INT4
+            weight-only (W4A16), for Dense and EinsumDense kernels: one
+            float32 scale per `block_size` values along K and per output
+            channel, inputs left in the layer's float dtype; convolutions
+            and weights in a layer's own code take INT8, attention matmuls
+            stay float (TensorRT runs INT4 on MatMul/Gemm weights only).
+            Defaults to `"int8"`.
         num_bits: int. Bits of an int precision's weights and activations
             (2..8; TensorRT runs 8). Defaults to 8.
         per_channel: bool. Per-channel weight ranges (on the output-channel
@@ -86,10 +94,15 @@ class QuantizeConfig:
             K or N below 16 (a 10-class head) too. TensorRT's INT8 and FP8
             kernels are no faster than float there and ModelOpt leaves
             them float, as keras_mp does by default. Defaults to False.
+        block_size: int or None. With `precision="int4"`: values per block
+            along K, 128, 64 or 32 (TensorRT takes 64 and 128). K must be a
+            multiple of it. Defaults to None (128 for int4).
 
     Raises:
         ValueError: `num_bits` is not an integer in [2, 8], an unknown
-            `precision`, or `precision="fp8"` with `num_bits` other than 8.
+            `precision`, `precision="fp8"` with `num_bits` other than 8,
+            or a `block_size` without `precision="int4"` or not one of its
+            sizes.
 
     Example:
 
@@ -97,6 +110,7 @@ class QuantizeConfig:
     >>> qmodel = keras_mp.quantize_model(model, config={"fc": config})
     >>> fp8 = keras_mp.QuantizeConfig(precision="fp8")
     >>> mixed = keras_mp.quantize_model(model, config={"encoder.*": fp8})
+    >>> w4 = keras_mp.QuantizeConfig(precision="int4", block_size=64)
     """
 
     skip: bool = False
@@ -108,6 +122,7 @@ class QuantizeConfig:
     dot: bool = True
     precision: str = "int8"
     small_gemms: bool = False
+    block_size: int = None
 
     def __post_init__(self):
         if not isinstance(self.num_bits, int) or not 2 <= self.num_bits <= 8:
@@ -121,6 +136,22 @@ class QuantizeConfig:
                 f"`num_bits` is for int precisions; precision="
                 f"{self.precision!r} has 8 bits. Received: "
                 f"num_bits={self.num_bits!r}"
+            )
+        sizes = FORMATS[self.format].block_sizes
+        if self.precision != "int4":
+            if self.block_size is not None:
+                raise ValueError(
+                    "`block_size` is for precision='int4' (block-scaled "
+                    f"weights). Received: precision={self.precision!r}, "
+                    f"block_size={self.block_size!r}"
+                )
+        elif self.block_size is None:
+            self.block_size = sizes[0]
+        elif self.block_size not in sizes:
+            raise ValueError(
+                f"precision='int4' takes block_size in {list(sizes)} "
+                "(TensorRT builds 64 and 128). Received: "
+                f"block_size={self.block_size!r}"
             )
 
     @property

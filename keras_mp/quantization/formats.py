@@ -17,6 +17,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_mp._switch import Switch
+from keras_mp.quantization.blocks import block_format, exact_divide
 
 _TRACE = Switch(default=False)
 
@@ -26,6 +27,11 @@ def onnx_trace():
     tf2onnx can write) instead of its `qdq`: `export_onnx` traces the
     model inside it, then retypes the carriers (`keras_mp.onnx.retype`)."""
     return _TRACE.set(True)
+
+
+def tracing():
+    """Whether `onnx_trace` is active."""
+    return _TRACE.value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +63,17 @@ class NumberFormat:
             write: what the ONNX trace computes instead (`onnx_trace`), an
             unsigned 8-bit Q/DQ whose scale is this format's; the export
             gives it `onnx_type`. None: the trace computes `qdq`.
+        block: str or None. The `blocks.FORMATS` row of this format's
+            block-scaled weights (`"int4"`: INT4 codes, one float32 scale
+            per `block_size` values along K), which gives their ONNX types
+            and opset; None when the format has no block-scaled form.
+        block_sizes: tuple of int. The block sizes a quantizer accepts,
+            default first (`()` without `block`).
+        tensorrt_block_sizes: tuple of int. Those TensorRT builds.
+        weight_only: bool. Block-scaled, TensorRT takes this format for
+            weights only: the layer's activations stay in its float dtype.
+        tensorrt_ops: tuple of str. The ONNX ops whose weights TensorRT
+            takes block-scaled in this format (`()`: any weighted op).
     """
 
     name: str
@@ -69,6 +86,11 @@ class NumberFormat:
     storage: type = np.int8
     min_opset: int = 13
     carrier: Callable = dataclasses.field(default=None, repr=False)
+    block: str = None
+    block_sizes: tuple = ()
+    tensorrt_block_sizes: tuple = ()
+    weight_only: bool = False
+    tensorrt_ops: tuple = ()
 
     def __post_init__(self):
         if self.kind not in ("int", "float"):
@@ -82,6 +104,11 @@ class NumberFormat:
                 f"qmin < 0 < qmax. Received: qmin={self.qmin}, "
                 f"qmax={self.qmax}"
             )
+
+    @property
+    def block_format(self):
+        """The `blocks.BlockFormat` row of the block-scaled form, or None."""
+        return None if self.block is None else block_format(self.block)
 
     @property
     def narrow_qmin(self):
@@ -141,6 +168,20 @@ def _int_qdq(fmt, x, amax, axis, narrow_range):
     )
 
 
+# INT4 weight-only, as TensorRT builds it (onnx-tensorrt `onnxOpImporters.cpp`
+# DequantizeLinear: INT4 only as a blocked weight DQ, block size 64 or 128
+# along K, symmetric; ModelOpt's INT4_AWQ / INT4_BLOCKWISE configs: scale
+# `amax / 7`, blocks of 128, MatMul/Gemm weights only, inputs float).
+# `blocks.py` also takes blocks of 32, for simulation and other runtimes.
+_INT4_BLOCKS = dict(
+    block="int4",
+    block_sizes=(128, 64, 32),
+    tensorrt_block_sizes=(128, 64),
+    weight_only=True,
+    tensorrt_ops=("MatMul", "Gemm"),
+)
+
+
 def _int_row(bits):
     top = 2 ** (bits - 1)
     return NumberFormat(
@@ -152,6 +193,7 @@ def _int_row(bits):
         # tf2onnx writes Q/DQ for 8 bits only; fewer are for simulation.
         onnx_type="INT8" if bits == 8 else None,
         qdq=_int_qdq,
+        **(_INT4_BLOCKS if bits == 4 else {}),
     )
 
 
@@ -165,17 +207,10 @@ def _broadcast(amax, x, axis):
 
 def _scale(fmt, amax):
     """`amax / qmax` rounded once to float32, the scale `NumberFormat.scale`
-    gives the export, also in a `tf.function` and under XLA.
-
-    Grappler's constant folding and XLA turn a division by a constant into
-    a multiplication by its reciprocal, which rounds twice: in float32 the
-    scale would often be one unit in the last place off the file's, and a
-    value near a rounding tie would take the other code. In float64 the
-    twice-rounded quotient is within 2**-52 of the exact one, and a float32
-    divided by a float32 is a float32 or lies at least 2**-49 (relative)
-    from a float32 tie: it rounds to the same float32 as the exact one.
-    """
-    return tf.cast(tf.cast(amax, tf.float64) / fmt.qmax, tf.float32)
+    gives the export, also in a `tf.function` and under XLA (Grappler and
+    XLA turn a division by a constant into a product by its inexact
+    reciprocal: `blocks.exact_divide` says why float64 avoids it)."""
+    return exact_divide(amax, fmt.qmax)
 
 
 def _float_qdq(fmt, x, amax, axis, narrow_range):

@@ -11,6 +11,7 @@ fake quantization is built").
 
 import tensorflow as tf
 
+from keras_mp.quantization.blocks import block_quantize_dequantize, exact_divide
 from keras_mp.quantization.formats import number_format
 
 # The smallest range a quantizer uses: a channel whose weights are all zero
@@ -75,6 +76,27 @@ def _fake_quant_ste(x, amax, axis, narrow_range, fmt):
         return y, grad
 
     return forward(x)
+
+
+def block_fake_quant(view, amax, format, block_size):
+    """Block-scaled fake quantization of the `(K, N)` matrix `view` with
+    ranges `amax` of shape `(K / block_size, N)`: `scale = amax / qmax`
+    per block (1 for an all-zero block, whose codes are 0), the codes of
+    the format's `block` row (`blocks.block_quantize_dequantize`, which
+    `blocks.block_encode` repeats for the export, bit for bit). Straight-
+    through gradient inside each block's range."""
+    fmt = number_format(format)
+    return block_quantize_dequantize(
+        view, fmt.block_format, block_size, axis=0, scale=block_scale(amax, fmt)
+    )
+
+
+def block_scale(amax, format):
+    """The block scales of block ranges `amax`: `amax / qmax` rounded once
+    to float32 (`blocks.exact_divide`), 1 for an all-zero block."""
+    fmt = number_format(format)
+    amax = tf.cast(amax, tf.float32)
+    return tf.where(amax > 0, exact_divide(amax, fmt.qmax), 1.0)
 
 
 def fake_quant_learned(x, amax, format="int8"):
