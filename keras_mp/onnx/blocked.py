@@ -15,8 +15,9 @@ packs the INT4 codes two to a byte. `docs/export.md` ("INT4").
 
 import numpy as np
 
-from keras_mp._compat import optional_import
 from keras_mp.onnx.errors import ExportError
+from keras_mp.onnx.fold import _prune_dead, _shapes
+from keras_mp.onnx.graph import GraphIndex, apply_layout, attr
 
 
 def block_quantizers(model):
@@ -51,90 +52,145 @@ def min_opset(model):
 
 
 def write_blocked_weights(model_proto, model):
-    """Replaces the float initializer of each block-scaled weight of
-    `model` in `model_proto` (traced under `onnx_trace`, at an opset that
-    holds the format) with its blocked DequantizeLinear, in place.
+    """Gives each MatMul/Gemm of `model_proto` (traced under `onnx_trace`,
+    at an opset that holds the format) whose float weight is that of a
+    block-scaled weight quantizer of `model` its blocked DequantizeLinear,
+    in place.
+
+    A weight is recognized by its values once the layout ops tf2onnx put
+    before the op (an EinsumDense kernel's Reshape/Transpose, Gemm's
+    transB) are applied; the DQ then feeds the op directly, and the float
+    weight, with any Shape of it, leaves the graph. Equal weights (a
+    keras-hub model's key and value projections built alike; tf2onnx
+    merges their initializers) give equal codes.
 
     Returns:
         The descriptions of the quantizers written.
 
     Raises:
-        ExportError: a block-scaled weight has no initializer of its
-            values in the graph (e.g. tf2onnx kept an Einsum with the
-            weight in another layout), naming the quantizer.
+        ExportError: a block-scaled weight reaches no MatMul/Gemm of the
+            graph in a layout keras_mp can read, naming the quantizer.
     """
-    onnx = optional_import("onnx")
     from onnx import helper, numpy_helper
 
     from keras_mp.quantization.blocks import block_encode
     from keras_mp.quantization.quantizers import block_scale
 
     graph = model_proto.graph
-    by_shape = {}
-    for init in graph.initializer:
-        if init.data_type == onnx.TensorProto.FLOAT and len(init.dims) == 2:
-            by_shape.setdefault(tuple(init.dims), []).append(init)
-    written, nodes = [], []
-    for description, q, matrix in block_quantizers(model):
-        found = _find(by_shape, matrix, numpy_helper)
-        if found is None:
-            raise ExportError(
-                f"The block-scaled weight of quantizer {description!r} is "
-                "not a MatMul/Gemm weight initializer of the traced graph "
-                f"(as a {matrix.shape} matrix or its transpose): keras_mp "
-                "writes INT4 weights for Dense and EinsumDense kernels that "
-                "tf2onnx turns into MatMul/Gemm weights. Quantize this layer "
-                "in INT8 (QuantizeConfig(precision='int8')) and report the "
-                "model. Nothing was written."
+    index = GraphIndex(model_proto)
+    rows = [
+        (d, q, m, block_scale(q.amax, q.format).numpy())
+        for d, q, m in block_quantizers(model)
+    ]
+    written, dqs, inferred = {}, {}, {}
+    for op in index.weighted:
+        if op.op_type not in ("MatMul", "Gemm") or len(op.input) < 2:
+            continue
+        weight = _effective_weight(model_proto, index, op, inferred)
+        if weight is None:
+            continue
+        transposed = op.op_type == "Gemm" and attr(op, "transB", 0)
+        matrix = weight.T if transposed else weight
+        match = next((r for r in rows if np.array_equal(r[2], matrix)), None)
+        if match is None:
+            continue
+        description, q, matrix, scale = match
+        key = (description, bool(transposed))
+        if key not in dqs:
+            codes = block_encode(
+                matrix, q.format.block_format, q.block_size, scale=scale
             )
-        init, transposed = found
-        codes = block_encode(
-            matrix,
-            q.format.block_format,
-            q.block_size,
-            axis=0,
-            scale=block_scale(q.amax, q.format),
-        )
-        values, scales, axis = codes.codes, codes.scale, 0
-        if transposed:
-            values, scales, axis = values.T, scales.T, 1
-        name = init.name
-        init.CopyFrom(
-            numpy_helper.from_array(np.ascontiguousarray(values), name + "_q")
-        )
-        graph.initializer.append(
-            numpy_helper.from_array(
-                np.ascontiguousarray(scales, np.float32), name + "_scale"
+            values, scales, axis = codes.codes, codes.scale, 0
+            if transposed:
+                values, scales, axis = values.T, scales.T, 1
+            base = f"{op.name}_weight"
+            graph.initializer.extend(
+                [
+                    numpy_helper.from_array(
+                        np.ascontiguousarray(values), f"{base}_int4"
+                    ),
+                    numpy_helper.from_array(
+                        np.ascontiguousarray(scales, np.float32),
+                        f"{base}_scale",
+                    ),
+                ]
             )
-        )
-        nodes.append(
-            helper.make_node(
-                "DequantizeLinear",
-                [name + "_q", name + "_scale"],
-                [name],
-                name=name + "_dq",
-                axis=axis,
-                block_size=q.block_size,
+            graph.node.insert(
+                list(graph.node).index(op),
+                helper.make_node(
+                    "DequantizeLinear",
+                    [f"{base}_int4", f"{base}_scale"],
+                    [f"{base}_dq"],
+                    name=f"{base}_DequantizeLinear",
+                    axis=axis,
+                    block_size=q.block_size,
+                ),
             )
+            dqs[key] = f"{base}_dq"
+        op.input[1] = dqs[key]
+        written[description] = True
+    missing = [d for d, *_ in rows if d not in written]
+    missing = [  # equal to a written one: the same codes
+        d
+        for d, _, m, s in rows
+        if d in missing
+        and not any(
+            w in written and np.array_equal(m, m2) and np.array_equal(s, s2)
+            for w, _, m2, s2 in rows
         )
-        by_shape[tuple(init.dims)] = [
-            i for i in by_shape.get(tuple(init.dims), []) if i is not init
-        ]
-        written.append(description)
-    for info in list(graph.input):  # IR < 4 lists initializers as inputs
-        if info.name in {n.output[0] for n in nodes}:
-            graph.input.remove(info)
-    rest = list(graph.node)  # the DQs read initializers only: put first
-    del graph.node[:]
-    graph.node.extend(nodes + rest)
-    return written
+    ]
+    if missing:
+        raise ExportError(
+            f"The block-scaled weight of quantizer {missing[0]!r} reaches "
+            "no MatMul/Gemm of the traced graph as a weight keras_mp can "
+            "read (a constant moved by layout ops only): keras_mp writes "
+            "INT4 weights for Dense and EinsumDense kernels that tf2onnx "
+            "turns into MatMul/Gemm weights. Quantize this layer in INT8 "
+            "(QuantizeConfig(precision='int8')) and report the model. "
+            "Nothing was written."
+        )
+    _fold_constant_shapes(graph, index)
+    _prune_dead(graph)
+    return [d for d, *_ in rows if d not in missing]
 
 
-def _find(by_shape, matrix, numpy_helper):
-    """`(initializer, transposed)` holding `matrix`'s values (as they are,
-    or transposed for a Gemm with transB), or None."""
-    for candidate, transposed in ((matrix, False), (matrix.T, True)):
-        for init in by_shape.get(candidate.shape, []):
-            if np.array_equal(numpy_helper.to_array(init), candidate):
-                return init, transposed
-    return None
+def _effective_weight(model_proto, index, op, inferred):
+    """The float weight (input B) of MatMul/Gemm `op` as the op reads it:
+    its constant with the layout ops before the op applied; None for a
+    computed or quantized input, or a 2-D weight it cannot evaluate."""
+    source = index.trace(op.input[1])
+    if source.dq is not None or source.name is None:
+        return None
+    values = np.asarray(source.array)
+    if values.dtype != np.float32:
+        return None
+    known = {source.name: values.shape}
+    try:
+        for layout in reversed(source.layout):
+            values = apply_layout(
+                layout,
+                values,
+                _shapes(model_proto, index, layout, inferred, known),
+            )
+            known[layout.output[0]] = values.shape
+    except ValueError:
+        return None
+    return values if values.ndim == 2 else None
+
+
+def _fold_constant_shapes(graph, index):
+    """Replaces each Shape of a constant by its value, so a float weight
+    read only by Shape (tf2onnx's EinsumDense output shape) leaves the
+    graph with the rest of it."""
+    from onnx import numpy_helper
+
+    for node in index.nodes:
+        if node.op_type != "Shape" or node.input[0] not in index.constants:
+            continue
+        shape = index.constants[node.input[0]].shape
+        end = attr(node, "end", None)
+        value = np.asarray(shape[attr(node, "start", 0) : end], np.int64)
+        name = f"{index.name(node)}_value"
+        graph.initializer.append(numpy_helper.from_array(value, name))
+        for consumer, slot in index.consumers.get(node.output[0], []):
+            consumer.input[slot] = name
