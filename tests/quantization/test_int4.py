@@ -83,10 +83,14 @@ def test_block_size_is_for_int4_and_one_of_its_sizes():
 
 
 def test_int4_model_saves_loads_safe_mode_and_trains(tmp_path):
-    qmodel = keras_mp.quantize_model(_mlp(), precision="int4", config={
-        "conv": keras_mp.QuantizeConfig(),
-        "fc2": keras_mp.QuantizeConfig(),
-    })
+    qmodel = keras_mp.quantize_model(
+        _mlp(),
+        precision="int4",
+        config={
+            "conv": keras_mp.QuantizeConfig(),
+            "fc2": keras_mp.QuantizeConfig(),
+        },
+    )
     x = _data()
     keras_mp.calibrate(qmodel, x, verbose=0)
     path = tmp_path / "int4.keras"

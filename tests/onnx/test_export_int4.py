@@ -1,0 +1,161 @@
+"""INT4 weight-only export: blocked DequantizeLinear (opset 21) with INT4
+initializers, parity with ONNX Runtime, file size, TensorRT lint."""
+
+import os
+
+import keras
+import numpy as np
+import pytest
+
+import keras_mp
+
+onnx = pytest.importorskip("onnx")
+pytest.importorskip("onnxruntime")
+pytest.importorskip("tf2onnx")
+
+from onnx import helper, numpy_helper  # noqa: E402
+
+from keras_mp.quantization.blocks import block_encode  # noqa: E402
+
+
+def _dense_stack(seed=0):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((256,))
+    h = inputs
+    for i in range(3):
+        h = keras.layers.Dense(512, activation="relu", name=f"fc{i}")(h)
+    return keras.Model(inputs, keras.layers.Dense(128, name="head")(h))
+
+
+def _x(n=32, seed=0):
+    return np.random.default_rng(seed).normal(size=(n, 256)).astype("f4")
+
+
+@pytest.fixture(scope="module")
+def int4_file(tmp_path_factory):
+    """A Dense stack exported in INT4 (blocks of 128) and in float32."""
+    tmp = tmp_path_factory.mktemp("int4")
+    model = _dense_stack()
+    qmodel = keras_mp.quantize_model(model, precision="int4")
+    keras_mp.export_onnx(model, tmp / "f32.onnx")
+    with pytest.warns(UserWarning, match="exported at opset 21"):
+        report = keras_mp.export_onnx(
+            qmodel, tmp / "int4.onnx", verify_data=_x()
+        )
+    return qmodel, tmp / "int4.onnx", tmp / "f32.onnx", report
+
+
+def test_int4_file_holds_blocked_int4_dq_and_matches_keras(int4_file):
+    qmodel, path, f32, report = int4_file
+    # ONNX Runtime 1.32's CPU provider runs blocked INT4 DequantizeLinear
+    assert report.rel_l2 < 1e-5 and report.top1_agreement == 1.0
+    proto = onnx.load(path)
+    assert max(o.version for o in proto.opset_import if o.domain == "") == 21
+    dqs = [n for n in proto.graph.node if n.op_type == "DequantizeLinear"]
+    assert len(dqs) == 4
+    inits = {i.name: i for i in proto.graph.initializer}
+    kernel = np.asarray(qmodel.get_layer("fc1").kernel)
+    want = block_encode(kernel, "int4", 128)
+    found = False
+    for dq in dqs:
+        attrs = {a.name: helper.get_attribute_value(a) for a in dq.attribute}
+        assert attrs == {"axis": 0, "block_size": 128} and len(dq.input) == 2
+        codes = inits[dq.input[0]]
+        assert codes.data_type == onnx.TensorProto.INT4
+        if tuple(codes.dims) == kernel.shape:
+            values = numpy_helper.to_array(codes)
+            if np.array_equal(values, want.codes):
+                found = True
+                scale = numpy_helper.to_array(inits[dq.input[1]])
+                np.testing.assert_array_equal(scale, want.scale)
+    assert found
+    # INT4 packs two codes a byte: the file is a fraction of float32's
+    assert os.path.getsize(path) <= 0.35 * os.path.getsize(f32)
+    assert keras_mp.check_tensorrt(str(path)).ok
+
+
+def test_explicit_opset_below_21_is_refused_before_writing(tmp_path):
+    qmodel = keras_mp.quantize_model(_dense_stack(), precision="int4")
+    with pytest.raises(
+        keras_mp.ExportError,
+        match=r"INT4 block quantizers, whose Q/DQ need opset >= 21\. "
+        r"Received: opset=19.*Nothing was written",
+    ):
+        keras_mp.export_onnx(qmodel, tmp_path / "q.onnx", opset=19)
+    assert os.listdir(tmp_path) == []
+
+
+def _findings(proto, rule="blocks"):
+    report = keras_mp.check_tensorrt(proto)
+    return [f.message for f in report.violations if f.rule == rule]
+
+
+def test_lint_flags_block_size_32_for_tensorrt(int4_file):
+    proto = onnx.load(int4_file[1])
+    assert _findings(proto) == []
+    dq = next(n for n in proto.graph.node if n.op_type == "DequantizeLinear")
+    for a in dq.attribute:
+        if a.name == "block_size":
+            a.i = 32
+    messages = _findings(proto)
+    assert any(
+        "TensorRT builds INT4 blocks of 128 or 64" in m for m in messages
+    )
+    assert any("scale shape" in m for m in messages), messages
+
+
+def test_lint_flags_int4_on_a_convolution():
+    w = np.random.default_rng(0).normal(size=(8, 128, 1, 1)).astype("f4")
+    codes = block_encode(w, "int4", 64, axis=1)
+    graph = helper.make_graph(
+        [
+            helper.make_node(
+                "DequantizeLinear", ["w", "s"], ["wd"], axis=1, block_size=64
+            ),
+            helper.make_node("Conv", ["x", "wd"], ["y"]),
+        ],
+        "conv",
+        [
+            helper.make_tensor_value_info(
+                "x", onnx.TensorProto.FLOAT, [1, 128, 4, 4]
+            )
+        ],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
+        [
+            numpy_helper.from_array(codes.codes, "w"),
+            numpy_helper.from_array(codes.scale, "s"),
+        ],
+    )
+    proto = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 21)]
+    )
+    messages = _findings(proto)
+    assert any(
+        "INT4 on Conv: TensorRT runs INT4 weight-only on MatMul and Gemm" in m
+        for m in messages
+    ), messages
+
+
+def test_llama_backbone_int4_export_matches_keras(tmp_path):
+    pytest.importorskip("keras_hub")
+    from benchmarks.hub_models import BACKBONES, inputs_for
+
+    model = BACKBONES["LlamaBackbone"](hidden_dim=128, num_layers=1)
+    qmodel = keras_mp.quantize_model(
+        model, config=keras_mp.QuantizeConfig(precision="int4", block_size=64)
+    )
+    with pytest.warns(UserWarning):
+        report = keras_mp.export_onnx(
+            qmodel, tmp_path / "llama.onnx", verify_data=inputs_for(model, 4)
+        )
+    assert report.rel_l2 < 1e-5
+    proto = onnx.load(tmp_path / "llama.onnx")
+    float_weights = [
+        i.name
+        for i in proto.graph.initializer
+        if i.data_type == onnx.TensorProto.FLOAT
+        and len(i.dims) >= 2
+        and np.prod(i.dims) >= 64 * 64
+    ]
+    # only the token embedding stays float; every projection is INT4
+    assert len(float_weights) == 1, float_weights
