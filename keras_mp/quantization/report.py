@@ -180,7 +180,9 @@ def quantization_report(model, verbose=True):
             flag = "Q" if r["quantized"] else "-"
             name, kind = r["path"], r["type"]
             fmt = r.get("format", "")
+            if r.get("block_size"):
+                fmt += f"/{r['block_size']}"  # values per block along K
             print(
-                f"{flag} {name:<24} {kind:<22} {fmt:<5} {ins} {ws} {r['note']}"
+                f"{flag} {name:<24} {kind:<22} {fmt:<8} {ins} {ws} {r['note']}"
             )
     return rows
