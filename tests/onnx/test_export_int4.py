@@ -136,26 +136,26 @@ def test_lint_flags_int4_on_a_convolution():
     ), messages
 
 
-def test_llama_backbone_int4_export_matches_keras(tmp_path):
+@pytest.mark.parametrize("name", ["LlamaBackbone", "GPT2Backbone"])
+def test_hub_backbone_int4_gptq_export_matches_keras(name, tmp_path):
     pytest.importorskip("keras_hub")
     from benchmarks.hub_models import BACKBONES, inputs_for
+    from keras_mp.onnx.graph import GraphIndex
 
-    model = BACKBONES["LlamaBackbone"](hidden_dim=128, num_layers=1)
+    model = BACKBONES[name](hidden_dim=128, num_layers=1)
+    x = inputs_for(model, 4)
     qmodel = keras_mp.quantize_model(
         model, config=keras_mp.QuantizeConfig(precision="int4", block_size=64)
     )
+    keras_mp.calibrate(qmodel, x, method="gptq", verbose=0)
     with pytest.warns(UserWarning):
         report = keras_mp.export_onnx(
-            qmodel, tmp_path / "llama.onnx", verify_data=inputs_for(model, 4)
+            qmodel, tmp_path / "m.onnx", verify_data=x
         )
     assert report.rel_l2 < 1e-5
-    proto = onnx.load(tmp_path / "llama.onnx")
-    float_weights = [
-        i.name
-        for i in proto.graph.initializer
-        if i.data_type == onnx.TensorProto.FLOAT
-        and len(i.dims) >= 2
-        and np.prod(i.dims) >= 64 * 64
-    ]
-    # only the token embedding stays float; every projection is INT4
-    assert len(float_weights) == 1, float_weights
+    index = GraphIndex(onnx.load(tmp_path / "m.onnx"))
+    constant = [(op, source) for op, _, source in index.weights if source.name]
+    # every projection's weight is a blocked INT4 DQ feeding it directly
+    assert len(constant) >= 6
+    assert all(source.dq is not None for _, source in constant)
+    assert all(not source.layout for _, source in constant)
