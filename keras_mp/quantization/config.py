@@ -14,7 +14,7 @@ from keras_mp.quantization.formats import FORMATS
 # The precisions a layer can be quantized to: the `FORMATS` rows TensorRT
 # runs (int8 stands for the int rows of `num_bits`; int4 is the int4 row's
 # block-scaled, weight-only form).
-PRECISIONS = ("int8", "fp8", "int4")
+PRECISIONS = ("int8", "fp8", "int4", "nvfp4", "mxfp8")
 # Other names of those precisions, lowercase: FP8 is E4M3 (TensorRT's FP8
 # Q/DQ, the ONNX FLOAT8E4M3FN zero point).
 _ALIASES = {
@@ -66,7 +66,9 @@ class QuantizeConfig:
             channel, inputs left in the layer's float dtype; convolutions
             and weights in a layer's own code take INT8, attention matmuls
             stay float (TensorRT runs INT4 on MatMul/Gemm weights only).
-            Defaults to `"int8"`.
+            `"nvfp4"` (E2M1 codes, FP8 scales per 16, Blackwell) and
+            `"mxfp8"` (E4M3 codes, E8M0 scales per 32) are placed the same
+            way, weight-only. Defaults to `"int8"`.
         num_bits: int. Bits of an int precision's weights and activations
             (2..8; TensorRT runs 8). Defaults to 8.
         per_channel: bool. Per-channel weight ranges (on the output-channel
@@ -94,15 +96,16 @@ class QuantizeConfig:
             K or N below 16 (a 10-class head) too. TensorRT's INT8 and FP8
             kernels are no faster than float there and ModelOpt leaves
             them float, as keras_mp does by default. Defaults to False.
-        block_size: int or None. With `precision="int4"`: values per block
-            along K, 128, 64 or 32 (TensorRT takes 64 and 128). K must be a
-            multiple of it. Defaults to None (128 for int4).
+        block_size: int or None. For a block-scaled precision: values per
+            block along K; int4: 128, 64 or 32 (TensorRT takes 64 and 128),
+            nvfp4: 16, mxfp8: 32. K must be a multiple of it. Defaults to
+            None (the precision's first size).
 
     Raises:
         ValueError: `num_bits` is not an integer in [2, 8], an unknown
             `precision`, `precision="fp8"` with `num_bits` other than 8,
-            or a `block_size` without `precision="int4"` or not one of its
-            sizes.
+            or a `block_size` without a block-scaled precision or not one
+            of its sizes.
 
     Example:
 
@@ -137,22 +140,30 @@ class QuantizeConfig:
                 f"{self.precision!r} has 8 bits. Received: "
                 f"num_bits={self.num_bits!r}"
             )
-        sizes = FORMATS[self.format].block_sizes
-        if self.precision != "int4":
+        row = FORMATS[self.format]
+        if not self.blocked:
             if self.block_size is not None:
                 raise ValueError(
-                    "`block_size` is for precision='int4' (block-scaled "
-                    f"weights). Received: precision={self.precision!r}, "
-                    f"block_size={self.block_size!r}"
+                    "`block_size` is for the block-scaled precisions "
+                    "('int4', 'nvfp4', 'mxfp8'). Received: precision="
+                    f"{self.precision!r}, block_size={self.block_size!r}"
                 )
         elif self.block_size is None:
-            self.block_size = sizes[0]
-        elif self.block_size not in sizes:
+            self.block_size = row.block_sizes[0]
+        elif self.block_size not in row.block_sizes:
             raise ValueError(
-                f"precision='int4' takes block_size in {list(sizes)} "
-                "(TensorRT builds 64 and 128). Received: "
+                f"precision={self.precision!r} takes block_size in "
+                f"{list(row.block_sizes)} (TensorRT builds "
+                f"{list(row.tensorrt_block_sizes)}). Received: "
                 f"block_size={self.block_size!r}"
             )
+
+    @property
+    def blocked(self):
+        """Whether the precision is block-scaled and weight-only (int4,
+        nvfp4, mxfp8; not `num_bits=4`, the per-channel int4 of
+        simulation)."""
+        return self.precision != "int8" and FORMATS[self.format].weight_only
 
     @property
     def format(self):

@@ -44,8 +44,10 @@ class NumberFormat:
 
     Attributes:
         name: str. The row's name (`"int8"`), as configs save it.
-        kind: str. `"int"` (uniform grid of integers) or `"float"` (a
-            floating-point grid, e.g. FP8 E4M3).
+        kind: str. `"int"` (uniform grid of integers), `"float"` (a
+            floating-point grid, e.g. FP8 E4M3) or `"block"` (block-scaled
+            only, NVFP4 and MXFP8: the `block` row holds the grid and the
+            scales; no per-tensor or per-channel form).
         bits: int. Bits per value.
         qmax: float. The largest code; `amax` maps to it.
         qmin: float. The smallest code of the full range.
@@ -93,10 +95,10 @@ class NumberFormat:
     tensorrt_ops: tuple = ()
 
     def __post_init__(self):
-        if self.kind not in ("int", "float"):
+        if self.kind not in ("int", "float", "block"):
             raise ValueError(
-                f"NumberFormat {self.name!r}: `kind` must be 'int' or "
-                f"'float'. Received: kind={self.kind!r}"
+                f"NumberFormat {self.name!r}: `kind` must be 'int', 'float' "
+                f"or 'block'. Received: kind={self.kind!r}"
             )
         if not self.qmin < 0 < self.qmax:
             raise ValueError(
@@ -261,10 +263,52 @@ _FP8_E4M3 = NumberFormat(
     carrier=_unsigned_carrier,
 )
 
+
+def _block_only(fmt, x, amax, axis, narrow_range):
+    raise ValueError(
+        f"Format {fmt.name!r} is block-scaled only: quantize weights with "
+        f"it in blocks (TensorQuantizer(format={fmt.name!r}, block_size="
+        f"{fmt.block_sizes[0]}), QuantizeConfig(precision={fmt.name!r}))."
+    )
+
+
+def _block_row(name, bits, qmax, storage):
+    """NVFP4 / MXFP8 as TensorRT 11 builds them (`blocks.py` has the
+    grids and ModelOpt's scales): MatMul/Gemm weights in blocks of 16
+    (FP8 E4M3 scales times a float32 global scale, FLOAT4E2M1 codes,
+    opset 23) or 32 (E8M0 scales, FLOAT8E4M3FN codes, opset 24).
+    keras_mp writes the weights only; TensorRT's FP4/MXFP8 activations
+    need a DynamicQuantize, which the export does not write."""
+    return NumberFormat(
+        name=name,
+        kind="block",
+        bits=bits,
+        qmax=qmax,
+        qmin=-qmax,
+        onnx_type=None,
+        qdq=_block_only,
+        storage=storage,
+        block=name,
+        block_sizes=(block_format(name).block_sizes[0],),
+        tensorrt_block_sizes=(block_format(name).block_sizes[0],),
+        weight_only=True,
+        tensorrt_ops=("MatMul", "Gemm"),
+    )
+
+
 # Every format a quantizer accepts, by name. The int rows are the widths
-# `QuantizeConfig(num_bits=...)` accepts; TensorRT runs int8 and fp8.
+# `QuantizeConfig(num_bits=...)` accepts; TensorRT runs int8 and fp8, and
+# the block-scaled int4 (weights), nvfp4 and mxfp8.
 FORMATS = types.MappingProxyType(
-    {row.name: row for row in [*map(_int_row, range(2, 9)), _FP8_E4M3]}
+    {
+        row.name: row
+        for row in [
+            *map(_int_row, range(2, 9)),
+            _FP8_E4M3,
+            _block_row("nvfp4", 4, 6.0, ml_dtypes.float4_e2m1fn),
+            _block_row("mxfp8", 8, 448.0, ml_dtypes.float8_e4m3fn),
+        ]
+    }
 )
 
 

@@ -150,7 +150,7 @@ def input_placement(layer, row, config):
     """The input indices of a leaf layer that get a Q/DQ (none for a
     matmul of two activations kept float by `QuantizeConfig(dot=False)`)."""
     placement = row.inputs
-    if config.precision == "int4" and (_gemm_layer(layer) or not row.weights):
+    if config.blocked and (_gemm_layer(layer) or not row.weights):
         # weight-only: inputs stay in the layer's float dtype (a convolution
         # takes INT8, its input Q/DQ included: `layer_format`)
         return []
@@ -204,14 +204,17 @@ def _no_fp8_conv(layer):
     return ""
 
 
-# INT4 is weight-only on MatMul/Gemm in TensorRT (`FORMATS["int4"]`): a
-# Dense or EinsumDense kernel takes it; a convolution, or a weight in a
-# layer's own code (op sites), takes INT8 (ModelOpt's INT4 configs leave
+# The block-scaled formats are weight-only on MatMul/Gemm here (TensorRT:
+# INT4 weight-only on GEMMs; `FORMATS` rows' `tensorrt_ops`): a Dense or
+# EinsumDense kernel takes them; a convolution, or a weight in a layer's
+# own code (op sites), takes INT8 (ModelOpt's INT4 configs leave
 # convolutions to INT8/FP8 too); matmuls of two activations stay float.
-INT4_NOTE = (
-    "INT4 asked, INT8 here: TensorRT runs INT4 on MatMul/Gemm weights only "
-    "(weight-only); keras_mp blocks Dense and EinsumDense kernels"
-)
+def _blocked_note(config):
+    return (
+        f"{config.precision.upper()} asked, INT8 here: TensorRT runs "
+        f"{config.precision.upper()} on MatMul/Gemm weights only "
+        "(weight-only); keras_mp blocks Dense and EinsumDense kernels"
+    )
 
 
 def _gemm_layer(layer):
@@ -223,8 +226,8 @@ def layer_format(layer, config):
     under `config`, and why it is not the one `config` asks for ("" when
     it is). A convolution TensorRT cannot run in FP8 takes INT8, and so
     does a layer other than Dense/EinsumDense asked for INT4."""
-    if config.precision == "int4" and not _gemm_layer(layer):
-        return "int8", INT4_NOTE
+    if config.blocked and not _gemm_layer(layer):
+        return "int8", _blocked_note(config)
     if config.precision == "fp8" and _is_conv(layer):
         reason = _no_fp8_conv(layer)
         if reason:
@@ -246,7 +249,7 @@ def weight_blocks(layer, weight, config):
     """`(block_size, K axes)` of `weight` for a blocked INT4 quantizer, or
     None for a per-channel/per-tensor one: the kernel axes of a Dense or
     EinsumDense that are not output channels."""
-    if config.precision != "int4" or not _gemm_layer(layer):
+    if not config.blocked or not _gemm_layer(layer):
         return None
     rank = len(getattr(layer, weight.attr).shape)
     if isinstance(layer, keras.layers.EinsumDense):
@@ -278,14 +281,15 @@ def check_blocks(layer, path, config):
         for a in blocks[1]:
             k *= int(shape[a])
         if k % blocks[0]:
-            sizes = FORMATS["int4"].block_sizes
+            sizes = FORMATS[config.format].block_sizes
             fits = [b for b in sizes if k % b == 0]
             raise ValueError(
                 f"Layer {path!r}: its {weight.attr} has K={k}, not a "
                 f"multiple of block_size={blocks[0]} (TensorRT reads a "
                 "blocked weight without a shorter last block). Block sizes "
                 f"that divide K: {fits or 'none'} of {list(sizes)}; give "
-                "this layer QuantizeConfig(precision='int4', block_size=...) "
+                f"this layer QuantizeConfig(precision={config.precision!r}, "
+                "block_size=...) "
                 "with one of them, or another precision. Nothing was "
                 "quantized."
             )
@@ -332,10 +336,10 @@ def site_float(site, config, row=None):
     roles = [spec["role"] for spec in site["operands"]]
     if not any(roles):
         return "no float operand"
-    if config.precision == "int4" and "weight" not in roles:
+    if config.blocked and "weight" not in roles:
         return (
-            "INT4 is weight-only: a matmul of two activations stays float "
-            "(TensorRT runs INT4 on MatMul/Gemm weights only)"
+            f"{config.precision.upper()} is weight-only here: a matmul of "
+            "two activations stays float"
         )
     if not site.get("gemm", True):
         return "sums over nothing (an outer or elementwise product): no GEMM"

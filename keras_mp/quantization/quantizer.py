@@ -273,6 +273,11 @@ def _check_block(fmt, block_size, out_axes, learned_range, fixed_range):
     """`block_size` checked against the format's block sizes (None stays
     None)."""
     if block_size is None:
+        if fmt.kind == "block":
+            raise ValueError(
+                f"Format {fmt.name!r} is block-scaled only: pass block_size "
+                f"(one of {list(fmt.block_sizes)})."
+            )
         return None
     if block_size not in fmt.block_sizes:
         raise ValueError(

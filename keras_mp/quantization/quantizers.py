@@ -80,14 +80,18 @@ def _fake_quant_ste(x, amax, axis, narrow_range, fmt):
 
 def block_fake_quant(view, amax, format, block_size):
     """Block-scaled fake quantization of the `(K, N)` matrix `view` with
-    ranges `amax` of shape `(K / block_size, N)`: `scale = amax / qmax`
-    per block (1 for an all-zero block, whose codes are 0), the codes of
+    ranges `amax` of shape `(K / block_size, N)`: for INT4 `scale = amax /
+    qmax` per block (1 for an all-zero block, whose codes are 0); NVFP4 and
+    MXFP8 scales follow from the values (ModelOpt's); the codes of
     the format's `block` row (`blocks.block_quantize_dequantize`, which
     `blocks.block_encode` repeats for the export, bit for bit). Straight-
     through gradient inside each block's range."""
     fmt = number_format(format)
+    scale = None  # NVFP4 / MXFP8: the scales follow from the values
+    if fmt.block_format.scale_onnx_type == "FLOAT":
+        scale = block_scale(amax, fmt)
     return block_quantize_dequantize(
-        view, fmt.block_format, block_size, axis=0, scale=block_scale(amax, fmt)
+        view, fmt.block_format, block_size, axis=0, scale=scale
     )
 
 
