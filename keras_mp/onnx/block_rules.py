@@ -1,22 +1,29 @@
-"""The TensorRT rules of blocked DequantizeLinear (INT4 weight-only).
+"""The TensorRT rules of blocked DequantizeLinear (weight-only INT4,
+NVFP4, MXFP8).
 
 What TensorRT builds (onnx-tensorrt `onnxOpImporters.cpp`,
-DequantizeLinear; the row `FORMATS["int4"]` holds the same facts, which
-this module reads): INT4 only as the weight of a MatMul or Gemm, in blocks
-of 64 or 128 along K (axis 0 of a MatMul weight `(K, N)`, axis 1 of a Gemm
+DequantizeLinear; the `FORMATS` rows hold the same facts, which this
+module reads): INT4 only as the weight of a MatMul or Gemm, in blocks of
+64 or 128 along K (axis 0 of a MatMul weight `(K, N)`, axis 1 of a Gemm
 weight with transB=1), K a multiple of the block (TensorRT infers the block
-size from the weight and scale shapes), float32 scales of the weight's
-shape with `K / block_size` on the blocked axis, zero point absent or 0
-(symmetric), opset >= 21. The activation stays float (weight-only), so the
-INT8 rules on zero-point type, per-channel axes and partial quantization do
+size from the weight and scale shapes), scales of the weight's shape with
+`K / block_size` on the blocked axis, zero point absent or 0 (symmetric),
+opset >= 21; NVFP4 (FLOAT4E2M1 codes, blocks of 16, its scales a
+DequantizeLinear of FP8 E4M3 block scales, opset 23) and MXFP8
+(FLOAT8E4M3FN codes, FLOAT8E8M0 scales, blocks of 32, opset 24) alike.
+The activation stays float here (weight-only), so the INT8 rules on
+zero-point type, scale type, per-channel axes and partial quantization do
 not apply to these nodes (`is_blocked`).
 """
+
+import numpy as np
 
 from keras_mp.onnx.graph import attr
 from keras_mp.quantization.formats import FORMATS
 
-# ONNX element type INT4 (onnx.TensorProto.INT4, fixed by the spec).
-INT4 = 22
+# The `FORMATS` row of a blocked DQ's code type (onnx.TensorProto values,
+# fixed by the spec: INT4, FLOAT4E2M1, FLOAT8E4M3FN).
+_ROWS = {22: "int4", 23: "nvfp4", 17: "mxfp8"}
 
 
 def is_blocked(node):
@@ -28,53 +35,69 @@ def rule_blocks(graph, finding):
     """Findings (made by `finding(rule, node, message)`) for each blocked
     DequantizeLinear of `graph` (a `rules.LintGraph`) TensorRT would not
     build."""
-    int4 = FORMATS["int4"]
     for node in graph.qdq:
         if not is_blocked(node):
             continue
         name, block = graph.name(node), attr(node, "block_size", 0)
         dtype = graph.dtypes.get(node.input[0])
-        problems = []
-        if node.op_type != "DequantizeLinear" or dtype != INT4:
-            problems.append(
+        row = FORMATS.get(_ROWS.get(dtype, ""))
+        if node.op_type != "DequantizeLinear" or row is None:
+            yield finding(
+                "blocks",
+                name,
                 f"a blocked {node.op_type} of element type {dtype}: "
-                "keras_mp checks blocked INT4 DequantizeLinear of weights"
+                "TensorRT takes blocked DequantizeLinear of INT4, FLOAT4E2M1 "
+                "or FLOAT8E4M3FN weights.",
             )
+            continue
+        label = row.name.upper()
+        problems = []
         use = graph.weight_use.get(id(node))
-        if use is None or use[0].op_type not in int4.tensorrt_ops:
+        if use is None or use[0].op_type not in row.tensorrt_ops:
             what = "an activation" if use is None else use[0].op_type
             problems.append(
-                f"INT4 on {what}: TensorRT runs INT4 weight-only on "
-                f"{' and '.join(int4.tensorrt_ops)} weights only; quantize "
+                f"{label} on {what}: TensorRT runs {label} weight-only on "
+                f"{' and '.join(row.tensorrt_ops)} weights only; quantize "
                 "convolutions in INT8 or FP8"
             )
-        if block not in int4.tensorrt_block_sizes:
+        if block not in row.tensorrt_block_sizes:
             problems.append(
-                f"block_size={block}: TensorRT builds INT4 blocks of "
-                f"{' or '.join(map(str, int4.tensorrt_block_sizes))}"
+                f"block_size={block}: TensorRT builds {label} blocks of "
+                f"{' or '.join(map(str, row.tensorrt_block_sizes))}"
             )
-        if graph.opset < int4.block_format.min_opset:
+        opset = row.block_format.min_opset
+        if graph.opset < opset:
             problems.append(
-                f"opset {graph.opset}: blocked DequantizeLinear needs "
-                f"{int4.block_format.min_opset}"
+                f"opset {graph.opset}: {label} blocked DequantizeLinear "
+                f"needs {opset}"
             )
         if len(node.input) > 2 and node.input[2]:
             zero = graph.const(node.input[2])
-            if zero is None or zero.any():
-                problems.append(
-                    "zero point not 0: TensorRT's INT4 is symmetric"
-                )
+            if zero is None or np.any(zero.astype(np.float32)):
+                problems.append(f"zero point not 0: {label} is symmetric")
         if use is not None:
             problems += _shape_problems(graph, node, use, block)
         for problem in problems:
             yield finding("blocks", name, problem + ".")
 
 
+def _scale_shape(graph, tensor):
+    """The shape of a blocked DQ's scales: a constant, or (NVFP4) a
+    DequantizeLinear of constant FP8 block scales; None otherwise."""
+    scale = graph.const(tensor)
+    if scale is None:
+        producer = graph.producers.get(tensor)
+        if producer is None or producer.op_type != "DequantizeLinear":
+            return None
+        scale = graph.const(producer.input[0])
+    return None if scale is None else scale.shape
+
+
 def _shape_problems(graph, node, use, block):
     """The blocked axis, K and scale shape of a weight's blocked DQ."""
     op, slot, source = use
     weight = graph.const(node.input[0])
-    scale = graph.const(node.input[1])
+    scale = _scale_shape(graph, node.input[1])
     if weight is None or scale is None or weight.ndim != 2 or slot != 1:
         return ["not a constant 2-D weight (input B) with constant scales"]
     trans_b = op.op_type == "Gemm" and attr(op, "transB", 0)
@@ -92,6 +115,6 @@ def _shape_problems(graph, node, use, block):
         return [f"K={k} is not a multiple of block_size={block}"]
     want = list(weight.shape)
     want[k_axis] = k // block
-    if list(scale.shape) != want:
-        return [f"scale shape {list(scale.shape)}, expected {want}"]
+    if list(scale) != want:
+        return [f"scale shape {list(scale)}, expected {want}"]
     return []

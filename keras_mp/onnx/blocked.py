@@ -1,4 +1,4 @@
-"""Block-scaled weights in the ONNX graph: INT4 weight-only today.
+"""Block-scaled weights in the ONNX graph: INT4, NVFP4, MXFP8, weight-only.
 
 tf2onnx cannot write INT4 (nor a `block_size` attribute: it stops at opset
 18). While `export_onnx` traces the model (`formats.onnx_trace`), a
@@ -71,9 +71,6 @@ def write_blocked_weights(model_proto, model):
         ExportError: a block-scaled weight reaches no MatMul/Gemm of the
             graph in a layout keras_mp can read, naming the quantizer.
     """
-    from onnx import helper, numpy_helper
-
-    from keras_mp.quantization.blocks import block_encode
     from keras_mp.quantization.quantizers import block_scale
 
     graph = model_proto.graph
@@ -97,36 +94,7 @@ def write_blocked_weights(model_proto, model):
         description, q, matrix, scale = match
         key = (description, bool(transposed))
         if key not in dqs:
-            codes = block_encode(
-                matrix, q.format.block_format, q.block_size, scale=scale
-            )
-            values, scales, axis = codes.codes, codes.scale, 0
-            if transposed:
-                values, scales, axis = values.T, scales.T, 1
-            base = f"{op.name}_weight"
-            graph.initializer.extend(
-                [
-                    numpy_helper.from_array(
-                        np.ascontiguousarray(values), f"{base}_int4"
-                    ),
-                    numpy_helper.from_array(
-                        np.ascontiguousarray(scales, np.float32),
-                        f"{base}_scale",
-                    ),
-                ]
-            )
-            graph.node.insert(
-                list(graph.node).index(op),
-                helper.make_node(
-                    "DequantizeLinear",
-                    [f"{base}_int4", f"{base}_scale"],
-                    [f"{base}_dq"],
-                    name=f"{base}_DequantizeLinear",
-                    axis=axis,
-                    block_size=q.block_size,
-                ),
-            )
-            dqs[key] = f"{base}_dq"
+            dqs[key] = _write_dq(graph, op, q, matrix, scale, transposed)
         op.input[1] = dqs[key]
         written[description] = True
     missing = [d for d, *_ in rows if d not in written]
@@ -152,6 +120,72 @@ def write_blocked_weights(model_proto, model):
     _fold_constant_shapes(graph, index)
     _prune_dead(graph)
     return [d for d, *_ in rows if d not in missing]
+
+
+def _write_dq(graph, op, q, matrix, scale, transposed):
+    """Adds the initializers and DequantizeLinear(s) of `q`'s weight
+    `matrix` before `op`; returns the name of the weight they give.
+
+    INT4: `DQ(INT4 codes, float32 scales)`; NVFP4: `DQ(FLOAT4E2M1 codes,
+    DQ(FP8 E4M3 block scales, float32 global scale))`; MXFP8:
+    `DQ(FLOAT8E4M3FN codes, FLOAT8E8M0 scales)` to float32. Blocked along
+    K: axis 0 of a MatMul weight, 1 of a Gemm weight with transB."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from keras_mp.quantization.blocks import block_encode
+
+    fmt = q.format.block_format
+    given = scale if fmt.scale_onnx_type == "FLOAT" else None
+    codes = block_encode(matrix, fmt, q.block_size, scale=given)
+    values, scales, axis = codes.codes, codes.scale, 0
+    if transposed:
+        values, scales, axis = values.T, scales.T, 1
+    base = f"{op.name}_weight"
+    graph.initializer.extend(
+        [
+            numpy_helper.from_array(
+                np.ascontiguousarray(values), f"{base}_{fmt.name}"
+            ),
+            numpy_helper.from_array(
+                np.ascontiguousarray(scales), f"{base}_block_scale"
+            ),
+        ]
+    )
+    at = list(graph.node).index(op)
+    scale_name = f"{base}_block_scale"
+    if codes.global_scale is not None:  # NVFP4: FP8 scales times a float32
+        graph.initializer.append(
+            numpy_helper.from_array(
+                np.asarray(codes.global_scale, np.float32),
+                f"{base}_global_scale",
+            )
+        )
+        graph.node.insert(
+            at,
+            helper.make_node(
+                "DequantizeLinear",
+                [scale_name, f"{base}_global_scale"],
+                [f"{base}_scale"],
+                name=f"{base}_scale_DequantizeLinear",
+            ),
+        )
+        scale_name, at = f"{base}_scale", at + 1
+    extra = {}
+    if fmt.scale_onnx_type not in ("FLOAT", "FLOAT8E4M3FN"):
+        extra["output_dtype"] = TensorProto.FLOAT  # from E8M0 scales
+    graph.node.insert(
+        at,
+        helper.make_node(
+            "DequantizeLinear",
+            [f"{base}_{fmt.name}", scale_name],
+            [f"{base}_dq"],
+            name=f"{base}_DequantizeLinear",
+            axis=axis,
+            block_size=q.block_size,
+            **extra,
+        ),
+    )
+    return f"{base}_dq"
 
 
 def _effective_weight(model_proto, index, op, inferred):

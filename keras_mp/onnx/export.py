@@ -207,8 +207,10 @@ def export_onnx(
         path: str. The `.onnx` file to write.
         opset: int. ONNX opset, >= 13 (per-channel Q/DQ). Defaults to 17,
             19 with a 16-bit `dtype` or FP8 quantizers (FP8 Q/DQ need 19),
-            21 with INT4 weights (blocked DequantizeLinear needs 21); an
-            explicit lower opset is an error.
+            21 with INT4 weights (blocked DequantizeLinear), 23 with NVFP4
+            (FLOAT4E2M1), 24 with MXFP8 (FLOAT8E8M0 scales); an explicit
+            lower opset is an error. ONNX Runtime cannot run NVFP4 or
+            MXFP8: their parity is checked with `onnx.reference`.
         inputs_as_nchw: list of input names to expose as NCHW. Defaults to
             None (NHWC, as the Keras model).
         verify_data: what the model takes (one array; a list, or a dict by
@@ -321,7 +323,7 @@ def export_onnx(
     if needed > opset:
         kinds = " and ".join(
             kind
-            for kind, n in (("FP8", carried), ("INT4 block", blocked_opset))
+            for kind, n in (("FP8", carried), ("block-scaled", blocked_opset))
             if n
         )
         if opset_given:

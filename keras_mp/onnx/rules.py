@@ -238,6 +238,8 @@ def _rule_zero_point(graph):
 
 def _rule_scale(graph):
     for node in graph.qdq:
+        if is_blocked(node):
+            continue  # `_rule_blocks` (E8M0 and NVFP4's computed scales)
         tensor = node.input[1]
         scale = graph.const(tensor)
         if scale is None:

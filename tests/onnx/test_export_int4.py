@@ -78,7 +78,7 @@ def test_explicit_opset_below_21_is_refused_before_writing(tmp_path):
     qmodel = keras_mp.quantize_model(_dense_stack(), precision="int4")
     with pytest.raises(
         keras_mp.ExportError,
-        match=r"INT4 block quantizers, whose Q/DQ need opset >= 21\. "
+        match=r"block-scaled quantizers, whose Q/DQ need opset >= 21\. "
         r"Received: opset=19.*Nothing was written",
     ):
         keras_mp.export_onnx(qmodel, tmp_path / "q.onnx", opset=19)
