@@ -159,3 +159,39 @@ def test_hub_backbone_int4_gptq_export_matches_keras(name, tmp_path):
     assert len(constant) >= 6
     assert all(source.dq is not None for _, source in constant)
     assert all(not source.layout for _, source in constant)
+
+
+@pytest.mark.parametrize(
+    "precision, opset, code_type, scale_type",
+    [("nvfp4", 23, 23, 17), ("mxfp8", 24, 17, 24)],
+)
+def test_nvfp4_and_mxfp8_export_checked_with_onnx_reference(
+    precision, opset, code_type, scale_type, tmp_path
+):
+    model = _dense_stack()
+    qmodel = keras_mp.quantize_model(model, precision=precision)
+    with pytest.warns(UserWarning, match=f"exported at opset {opset}"):
+        report = keras_mp.export_onnx(
+            qmodel, tmp_path / "q.onnx", verify_data=_x(8)
+        )
+    # ONNX Runtime 1.32 cannot dequantize FLOAT4E2M1 / FLOAT8E8M0
+    assert report.runtime == "onnx.reference" and report.rel_l2 < 1e-5
+    assert report.optimized_rel_l2 is None and "onnx.reference" in str(report)
+    proto = onnx.load(tmp_path / "q.onnx")
+    types = {i.data_type for i in proto.graph.initializer}
+    assert {code_type, scale_type} <= types
+    keras_mp.export_onnx(model, tmp_path / "f32.onnx")
+    ratio = os.path.getsize(tmp_path / "q.onnx") / os.path.getsize(
+        tmp_path / "f32.onnx"
+    )
+    assert ratio < (0.2 if precision == "nvfp4" else 0.3)
+    assert keras_mp.check_tensorrt(proto).ok
+    # a block of 64 is not one TensorRT builds for these formats
+    for node in proto.graph.node:
+        for a in node.attribute:
+            if a.name == "block_size":
+                a.i = 64
+    assert any(
+        f"TensorRT builds {precision.upper()} blocks of" in m
+        for m in _findings(proto)
+    )

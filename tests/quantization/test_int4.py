@@ -1,8 +1,8 @@
 """INT4 weight-only (`precision="int4"`): block-scaled Dense/EinsumDense
 kernels, float inputs, INT8 for what TensorRT runs no INT4 on."""
 
-import numpy as np
 import keras
+import numpy as np
 import pytest
 
 import keras_mp
@@ -78,7 +78,7 @@ def test_block_size_is_for_int4_and_one_of_its_sizes():
     assert keras_mp.QuantizeConfig(precision="INT4").block_size == 128
     with pytest.raises(ValueError, match=r"block_size in \[128, 64, 32\]"):
         keras_mp.QuantizeConfig(precision="int4", block_size=16)
-    with pytest.raises(ValueError, match="`block_size` is for precision="):
+    with pytest.raises(ValueError, match="`block_size` is for the block-"):
         keras_mp.QuantizeConfig(block_size=64)
 
 
@@ -152,3 +152,28 @@ def test_llama_backbone_int4_blocks_projections_and_keeps_attention_float():
     out, ref = qmodel(x), model(x)
     rel = np.linalg.norm(np.asarray(out) - np.asarray(ref))
     assert 0 < rel / np.linalg.norm(np.asarray(ref)) < 0.3
+
+
+@pytest.mark.parametrize(
+    "precision, block", [("int4", 128), ("nvfp4", 16), ("mxfp8", 32)]
+)
+def test_block_precisions_report_save_and_load(precision, block, tmp_path):
+    qmodel = keras_mp.quantize_model(
+        _mlp(), precision=precision, config={"fc2": keras_mp.QuantizeConfig()}
+    )
+    rows = _rows(qmodel)
+    assert (rows["fc1"]["format"], rows["fc1"]["block_size"]) == (
+        precision,
+        block,
+    )
+    assert f"{precision.upper()} asked, INT8 here" in rows["conv"]["note"]
+    x = _data(4)
+    keras_mp.calibrate(qmodel, x, verbose=0)
+    qmodel.save(tmp_path / "m.keras")
+    loaded = keras.saving.load_model(tmp_path / "m.keras", safe_mode=True)
+    np.testing.assert_array_equal(np.asarray(loaded(x)), np.asarray(qmodel(x)))
+    kernel = np.asarray(qmodel.get_layer("ein").kernel)
+    np.testing.assert_array_equal(
+        np.asarray(qmodel.get_layer("ein").weight_quantizers[0](kernel)),
+        block_quantize_dequantize(kernel, precision, block).numpy(),
+    )
