@@ -14,8 +14,8 @@ asymmetric), `"gptq"` and `"awq"` (4 bits, groups of 128, calibrated on
 training windows), with their perplexity and `.keras` size; and
 keras_mp's block formats (INT4 with max, MSE, AWQ or GPTQ scales; NVFP4;
 MXFP8) applied to the transformer blocks' kernels as fake quantization,
-and INT4 (max, GPTQ) through `quantize_model`, `calibrate` and
-`export_onnx` with the exported file sizes. (Keras' GPTQ
+and INT4 (max, GPTQ), NVFP4 and MXFP8 through `quantize_model`,
+`calibrate` and `export_onnx` with the exported file sizes. (Keras' GPTQ
 picks its calibration windows with Python's `hash`, so this script sets
 `PYTHONHASHSEED=0` and restarts itself when it is unset.)
 
@@ -42,7 +42,7 @@ from lm_blocks import (  # noqa: E402
     PIPELINE_ROWS,
     block_quantized,
     gemms,
-    pipeline_int4,
+    pipeline_row,
 )
 
 CONFIGS = {
@@ -310,8 +310,9 @@ def markdown(results):
         "yet through `quantize_model` and `export_onnx`, so their size is "
         "what the export would write (codes, scales, float rest). The "
         "`quantize_model + export_onnx` rows go through keras_mp's pipeline "
-        "(INT4 weight-only transformer blocks, blocked DequantizeLinear at "
-        "opset 21, parity with ONNX Runtime checked); their float32 file: "
+        "(weight-only transformer blocks, blocked DequantizeLinear at opset "
+        "21 / 23 / 24, parity checked with ONNX Runtime for INT4 and "
+        "onnx.reference for NVFP4/MXFP8); their float32 file: "
         f"{_float_onnx(results)} MiB; TensorRT: `trtexec --onnx=<file> "
         "--stronglyTyped` (`keras_mp.trtexec_command`).\n\n" + table
     )
@@ -355,11 +356,12 @@ def run(quick=False, retrain=False):
         rows.append(
             measure_blocks(path, label, fmt, method, calibration, test_windows)
         )
-    for label, method in PIPELINE_ROWS:
+    for label, precision, method in PIPELINE_ROWS:
         rows.append(
-            pipeline_int4(
+            pipeline_row(
                 path,
                 label,
+                precision,
                 method,
                 calibration,
                 _inputs,
