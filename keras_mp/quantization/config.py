@@ -12,9 +12,12 @@ import keras
 from keras_mp.quantization.formats import FORMATS
 
 # The precisions a layer can be quantized to: the `FORMATS` rows TensorRT
-# runs (int8 stands for the int rows of `num_bits`; int4 is the int4 row's
-# block-scaled, weight-only form).
-PRECISIONS = ("int8", "fp8", "int4", "nvfp4", "mxfp8")
+# runs (int8 stands for the int rows of `num_bits`), weights and inputs;
+# the precision search and sensitivity analysis choose among these.
+PRECISIONS = ("int8", "fp8")
+# The block-scaled, weight-only precisions (int4 is the int4 row's blocked
+# form): `QuantizeConfig` takes them; the precision search does not yet.
+BLOCK_PRECISIONS = ("int4", "nvfp4", "mxfp8")
 # Other names of those precisions, lowercase: FP8 is E4M3 (TensorRT's FP8
 # Q/DQ, the ONNX FLOAT8E4M3FN zero point).
 _ALIASES = {
@@ -26,8 +29,9 @@ _ALIASES = {
 
 
 def precision_name(precision):
-    """The name in `PRECISIONS` of `precision`, given in any case or as an
-    alias (`"INT8"`, `"FP8"`, `"e4m3"`, `"float8_e4m3fn"`).
+    """The name in `PRECISIONS` or `BLOCK_PRECISIONS` of `precision`,
+    given in any case or as an alias (`"INT8"`, `"FP8"`, `"e4m3"`,
+    `"float8_e4m3fn"`).
 
     Raises:
         ValueError: not a name of a precision keras_mp quantizes to (the
@@ -36,10 +40,11 @@ def precision_name(precision):
     if isinstance(precision, str):
         key = precision.strip().lower()
         key = _ALIASES.get(key, key)
-        if key in PRECISIONS:
+        if key in PRECISIONS + BLOCK_PRECISIONS:
             return key
     raise ValueError(
-        f"`precision` must be one of {list(PRECISIONS)} (any case; FP8 is "
+        f"`precision` must be one of {list(PRECISIONS + BLOCK_PRECISIONS)} "
+        "(any case; FP8 is "
         f"E4M3, also named {', '.join(repr(a) for a in _ALIASES)}; fewer "
         "int bits: precision='int8' with num_bits). Received: "
         f"precision={precision!r}"
