@@ -23,8 +23,8 @@ from keras_mp.onnx.graph import GraphIndex, apply_layout, attr
 def block_quantizers(model):
     """`(description, quantizer, weight matrix)` of each enabled
     block-scaled weight quantizer of `model`: the weight as its `(K, N)`
-    GEMM matrix (`quantizer.matrix_view`)."""
-    from keras_mp.quantization.quantizer import matrix_view
+    GEMM matrix (`quantizers.matrix_view`)."""
+    from keras_mp.quantization.quantizers import matrix_view
     from keras_mp.quantization.twins import quantizers
 
     rows = []

@@ -15,7 +15,7 @@ follow the weights), sets max ranges again.
 import numpy as np
 
 from keras_mp.quantization import twins
-from keras_mp.quantization.quantizer import matrix_view
+from keras_mp.quantization.quantizers import matrix_view
 from keras_mp.quantization.weight_calibration import gptq
 
 # The weight methods of `calibrate`, and what each runs on one kernel.
