@@ -1,16 +1,18 @@
 """Block-scaled weights in the ONNX graph: INT4, NVFP4, MXFP8, weight-only.
 
-tf2onnx cannot write INT4 (nor a `block_size` attribute: it stops at opset
-18). While `export_onnx` traces the model (`formats.onnx_trace`), a
-block-scaled weight quantizer passes its weight through unchanged, so the
-float weight reaches the graph as the initializer of its MatMul/Gemm, with
-its values bit for bit. This pass finds each such initializer by those
-values, and replaces it with what TensorRT reads (onnx-tensorrt's
-DequantizeLinear importer; ModelOpt's INT4 AWQ export):
-`DequantizeLinear(INT4 codes, float32 scales, axis=K, block_size=B)`,
-opset 21, no zero point (symmetric), the codes and scales those of
-`blocks.block_encode`, which repeats the Keras quantizer's rounding. ONNX
-packs the INT4 codes two to a byte. `docs/export.md` ("INT4").
+tf2onnx cannot write INT4, FP4 or E8M0 (nor a `block_size` attribute: it
+stops at opset 18). While `export_onnx` traces the model
+(`formats.onnx_trace`), a block-scaled weight quantizer passes its weight
+through unchanged, so the float weight reaches the graph bit for bit, as
+the weight of its MatMul/Gemm (possibly through layout ops). This pass
+finds each MatMul/Gemm whose weight equals one of the model's block-scaled
+weights and gives it what TensorRT reads (onnx-tensorrt's
+DequantizeLinear importer; ModelOpt's INT4 AWQ, NVFP4 and MXFP8 ONNX
+exports): for INT4 `DequantizeLinear(INT4 codes, float32 scales, axis=K,
+block_size=B)` at opset 21, no zero point (symmetric); NVFP4 and MXFP8 as
+`_write_dq` says (opsets 23, 24). The codes and scales are those of
+`blocks.block_encode`, which repeats the Keras quantizer's rounding; ONNX
+packs 4-bit codes two to a byte. `docs/export.md` ("INT4").
 """
 
 import numpy as np
