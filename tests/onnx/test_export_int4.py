@@ -195,3 +195,14 @@ def test_nvfp4_and_mxfp8_export_checked_with_onnx_reference(
         f"TensorRT builds {precision.upper()} blocks of" in m
         for m in _findings(proto)
     )
+
+
+@pytest.mark.parametrize("precision", ["int4", "nvfp4"])
+def test_compare_onnx_runs_block_formats(precision, tmp_path):
+    qmodel = keras_mp.quantize_model(_dense_stack(), precision=precision)
+    with pytest.warns(UserWarning, match="exported at opset"):
+        keras_mp.export_onnx(qmodel, tmp_path / "q.onnx")
+    report = keras_mp.compare_onnx(qmodel, str(tmp_path / "q.onnx"), _x(8))
+    assert report.first_divergence is None and len(report.rows) == 5
+    runtime = "ONNX Runtime" if precision == "int4" else "onnx.reference"
+    assert report.runtime == runtime and f"Keras vs {runtime}" in str(report)
