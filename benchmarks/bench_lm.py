@@ -13,8 +13,9 @@ model, each from the cached file: `quantize("int4")` (groups of 128,
 asymmetric), `"gptq"` and `"awq"` (4 bits, groups of 128, calibrated on
 training windows), with their perplexity and `.keras` size; and
 keras_mp's block formats (INT4 with max, MSE, AWQ or GPTQ scales; NVFP4;
-MXFP8) applied to the transformer blocks' kernels as fake quantization
-(the export of these formats is not wired yet). (Keras' GPTQ
+MXFP8) applied to the transformer blocks' kernels as fake quantization,
+and INT4 (max, GPTQ), NVFP4 and MXFP8 through `quantize_model`,
+`calibrate` and `export_onnx` with the exported file sizes. (Keras' GPTQ
 picks its calibration windows with Python's `hash`, so this script sets
 `PYTHONHASHSEED=0` and restarts itself when it is unset.)
 
@@ -36,7 +37,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import lm_corpus  # noqa: E402
 from _common import markdown_table, write_results  # noqa: E402
-from lm_blocks import BLOCK_ROWS, block_quantized, gemms  # noqa: E402
+from lm_blocks import (  # noqa: E402
+    BLOCK_ROWS,
+    PIPELINE_ROWS,
+    block_quantized,
+    gemms,
+    pipeline_row,
+)
 
 CONFIGS = {
     "full": dict(
@@ -258,6 +265,7 @@ def markdown(results):
             f"{r['perplexity'] / float_ppl:.3f}",
             _mib(r, "keras_file_bytes"),
             _mib(r, "initializer_bytes"),
+            _mib(r, "onnx_file_bytes"),
             f"{r['quantize_seconds']:.1f}",
         ]
         for r in results["rows"]
@@ -270,6 +278,7 @@ def markdown(results):
             "perplexity / float",
             "`.keras` MiB",
             "weights as ONNX initializers, MiB",
+            "exported ONNX MiB",
             "quantize s",
         ],
         rows,
@@ -299,8 +308,20 @@ def markdown(results):
         "TensorRT wants; AWQ and GPTQ from `weight_calibration.py`, layer "
         "by layer on the same windows), embeddings and head in float; not "
         "yet through `quantize_model` and `export_onnx`, so their size is "
-        "what the export would write (codes, scales, float rest).\n\n" + table
+        "what the export would write (codes, scales, float rest). The "
+        "`quantize_model + export_onnx` rows go through keras_mp's pipeline "
+        "(weight-only transformer blocks, blocked DequantizeLinear at opset "
+        "21 / 23 / 24, parity checked with ONNX Runtime for INT4 and "
+        "onnx.reference for NVFP4/MXFP8); their float32 file: "
+        f"{_float_onnx(results)} MiB; TensorRT: `trtexec --onnx=<file> "
+        "--stronglyTyped` (`keras_mp.trtexec_command`).\n\n" + table
     )
+
+
+def _float_onnx(results):
+    sizes = [r.get("float32_onnx_file_bytes") for r in results["rows"]]
+    sizes = [s for s in sizes if s]
+    return f"{sizes[0] / 2**20:.2f}" if sizes else "-"
 
 
 def run(quick=False, retrain=False):
@@ -334,6 +355,18 @@ def run(quick=False, retrain=False):
     for label, fmt, method in BLOCK_ROWS:
         rows.append(
             measure_blocks(path, label, fmt, method, calibration, test_windows)
+        )
+    for label, precision, method in PIPELINE_ROWS:
+        rows.append(
+            pipeline_row(
+                path,
+                label,
+                precision,
+                method,
+                calibration,
+                _inputs,
+                lambda model: perplexity(model, test_windows),
+            )
         )
     return {
         "config": config,

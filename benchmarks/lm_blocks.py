@@ -8,6 +8,8 @@ already quantized. The export of these formats is not wired yet, so
 `block_quantized` also counts the bytes it would write.
 """
 
+import os
+
 import keras
 import numpy as np
 
@@ -113,3 +115,66 @@ def block_quantized(path, fmt, method, calibration, inputs):
             layer.kernel.assign(np.reshape(quantized, shape))
             written += codes.codes.size * _BITS[fmt] // 8 + codes.scale.nbytes
     return model, written
+
+
+# keras_mp's block formats through `quantize_model`, `calibrate` and
+# `export_onnx`: (label, precision, calibration method).
+PIPELINE_ROWS = [
+    (
+        "keras_mp INT4 quantize_model + export_onnx (blocks of 128)",
+        "int4",
+        "max",
+    ),
+    (
+        "keras_mp INT4 quantize_model + calibrate GPTQ + export_onnx",
+        "int4",
+        "gptq",
+    ),
+    ("keras_mp NVFP4 quantize_model + export_onnx", "nvfp4", "max"),
+    ("keras_mp MXFP8 quantize_model + export_onnx", "mxfp8", "max"),
+]
+
+
+def pipeline_row(
+    path, label, precision, method, calibration, inputs, perplexity
+):
+    """A row of the LM benchmark: the cached model at `path` quantized by
+    keras_mp's own pipeline, the transformer blocks' kernels weight-only
+    in `precision` (its default blocks), GPTQ on `inputs(calibration)`
+    when `method` is `"gptq"`, exported to ONNX (parity against Keras on
+    four windows: ONNX Runtime for INT4, `onnx.reference` for NVFP4 and
+    MXFP8) beside the float32 model; `perplexity(model)` of the quantized
+    Keras model, both file sizes and the `trtexec` command of the file."""
+    import tempfile
+    import time
+
+    import keras_mp
+
+    model = keras.saving.load_model(path)
+    start = time.perf_counter()
+    qmodel = keras_mp.quantize_model(
+        model, layers="transformer_layer_.*", precision=precision
+    )
+    if method == "gptq":
+        keras_mp.calibrate(qmodel, inputs(calibration), method="gptq")
+    seconds = time.perf_counter() - start
+    with tempfile.TemporaryDirectory() as directory:
+        onnx_path = os.path.join(directory, f"{precision}-{method}.onnx")
+        float_path = os.path.join(directory, "float32.onnx")
+        parity = keras_mp.export_onnx(
+            qmodel, onnx_path, verify_data=inputs(calibration[:4])
+        )
+        keras_mp.export_onnx(model, float_path)
+        command = keras_mp.trtexec_command(onnx_path)
+        sizes = os.path.getsize(onnx_path), os.path.getsize(float_path)
+    return {
+        "variant": label,
+        "mode": f"{precision}-{method}-onnx",
+        "perplexity": perplexity(qmodel),
+        "onnx_file_bytes": sizes[0],
+        "float32_onnx_file_bytes": sizes[1],
+        "onnx_parity_rel_l2": float(parity.rel_l2),
+        "onnx_parity_runtime": parity.runtime,
+        "trtexec": command.replace(directory + os.sep, ""),
+        "quantize_seconds": round(seconds, 1),
+    }

@@ -17,6 +17,7 @@ from keras_mp.onnx.compare_rows import (  # noqa: F401 (LayerError: public here)
     tolerances,
 )
 from keras_mp.onnx.compare_trace import exported_ranges, keras_values, trace
+from keras_mp.onnx.parity import reference_only
 from keras_mp.onnx.twin import float32_twin, half_compute_dtype
 from keras_mp.quantization.legacy import check_current
 
@@ -35,6 +36,9 @@ class CompareReport:
         precision: str. The float type of the ONNX graph, which set the
             default tolerances: `"float32"`, or `"float16"` for a graph
             exported with `dtype="float16"`.
+        runtime: str. What ran the graph: `"ONNX Runtime"`, or
+            `"onnx.reference"` for NVFP4/MXFP8 weights, which ONNX
+            Runtime cannot dequantize (`parity.reference_only`).
     """
 
     samples: int
@@ -43,6 +47,7 @@ class CompareReport:
     max_steps: float
     max_rel_l2: float
     precision: str = "float32"
+    runtime: str = "ONNX Runtime"
 
     @property
     def first_divergence(self):
@@ -80,7 +85,7 @@ class CompareReport:
             f"{first.depth}, ONNX tensor {first.tensor!r})"
         )
         text = [
-            f"Keras vs ONNX Runtime (optimizations off) on {self.samples} "
+            f"Keras vs {self.runtime} (optimizations off) on {self.samples} "
             f"inputs, {len(self.rows)} layers compared ({self.precision} "
             f"graph; tolerance: {self.max_steps:g} quantization step at a "
             f"Q/DQ, relative L2 {self.max_rel_l2:g} at a layer output): "
@@ -281,7 +286,12 @@ def _report(traced, specs, inputs, onnx_path, graph, tolerance):
         fit = (matched, graph, got, tolerance)
         mark_rounding(traced, specs, inputs, rows, qdqs, fit)
     return CompareReport(
-        len(inputs[0]), rows, unmatched + lost, *tolerance, graph.precision
+        len(inputs[0]),
+        rows,
+        unmatched + lost,
+        *tolerance,
+        graph.precision,
+        "onnx.reference" if reference_only(graph.proto) else "ONNX Runtime",
     )
 
 

@@ -10,7 +10,12 @@ import numpy as np
 
 from keras_mp._compat import optional_import
 from keras_mp.onnx.graph import RECURRENT_OPS, attr
-from keras_mp.onnx.parity import ort_session, run_session
+from keras_mp.onnx.parity import (
+    ReferenceSession,
+    ort_session,
+    reference_only,
+    run_session,
+)
 
 FLOAT_TYPES = (1, 10, 11)  # onnx.TensorProto FLOAT, FLOAT16, DOUBLE
 FLOAT16 = 10
@@ -359,7 +364,7 @@ def _scalar_scales(proto):
 
 def run(proto, graph, tensors, inputs):
     """ONNX Runtime's values of `tensors`, made outputs of a copy of
-    `proto`."""
+    `proto` (`onnx.reference`'s for a graph ONNX Runtime cannot run)."""
     import tempfile
 
     onnx = optional_import("onnx")
@@ -374,5 +379,10 @@ def run(proto, graph, tensors, inputs):
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "compare.onnx")
         onnx.save(copy, path)
-        outs = run_session(ort_session(path, optimized=False), inputs)
+        session = (
+            ReferenceSession(path)
+            if reference_only(copy)
+            else ort_session(path, optimized=False)
+        )
+        outs = run_session(session, inputs)
     return dict(zip(tensors, outs))

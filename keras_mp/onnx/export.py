@@ -12,8 +12,8 @@ from keras_mp import _inputs
 from keras_mp._compat import optional_import, require_tensorflow
 from keras_mp._models import check_model
 from keras_mp.io import atomic_path
+from keras_mp.onnx import blocked, retype
 from keras_mp.onnx import fp16 as onnx_fp16
-from keras_mp.onnx import retype
 from keras_mp.onnx.convert import function_to_onnx
 from keras_mp.onnx.errors import ExportError
 from keras_mp.onnx.fold import fold_weight_qdq
@@ -116,7 +116,7 @@ def _check_exportable(model):
     unwritable = sorted(
         f"{q.name} ({q.quantizer.num_bits} bits)"
         for q in quantizers_of(model, "export_onnx")
-        if q.quantizer.format.onnx_type is None
+        if q.quantizer.format.onnx_type is None and not q.quantizer.block_size
     )
     if unwritable:
         raise ExportError(
@@ -206,8 +206,11 @@ def export_onnx(
         model: a called `keras.Model`.
         path: str. The `.onnx` file to write.
         opset: int. ONNX opset, >= 13 (per-channel Q/DQ). Defaults to 17,
-            or 19 with a 16-bit `dtype` or FP8 quantizers (FP8 Q/DQ need
-            19: an explicit lower opset is an error).
+            19 with a 16-bit `dtype` or FP8 quantizers (FP8 Q/DQ need 19),
+            21 with INT4 weights (blocked DequantizeLinear), 23 with NVFP4
+            (FLOAT4E2M1), 24 with MXFP8 (FLOAT8E8M0 scales); an explicit
+            lower opset is an error. ONNX Runtime cannot run NVFP4 or
+            MXFP8: their parity is checked with `onnx.reference`.
         inputs_as_nchw: list of input names to expose as NCHW. Defaults to
             None (NHWC, as the Keras model).
         verify_data: what the model takes (one array; a list, or a dict by
@@ -315,24 +318,31 @@ def export_onnx(
         verify_data = verify_inputs(model, verify_data)
     traced = float32_twin(model) if half_compute_dtype(model) else model
     serve = _trace(traced)
-    needed = retype.min_opset(traced)
+    carried, blocked_opset = retype.min_opset(traced), blocked.min_opset(traced)
+    needed = max(carried, blocked_opset)
     if needed > opset:
+        kinds = " and ".join(
+            kind
+            for kind, n in (("FP8", carried), ("block-scaled", blocked_opset))
+            if n
+        )
         if opset_given:
             raise ExportError(
-                f"Model {model.name!r} has FP8 quantizers, whose Q/DQ need "
-                f"opset >= {needed}. Received: opset={opset}. Pass "
+                f"Model {model.name!r} has {kinds} quantizers, whose Q/DQ "
+                f"need opset >= {needed}. Received: opset={opset}. Pass "
                 f"opset={needed} or leave it out. Nothing was written."
             )
         warnings.warn(
-            f"Model {model.name!r} has FP8 quantizers: exported at opset "
-            f"{needed} (FP8 Q/DQ need it) instead of {opset}.",
+            f"Model {model.name!r} has {kinds} quantizers: exported at "
+            f"opset {needed} (their Q/DQ need it) instead of {opset}.",
             stacklevel=2,
         )
         opset = needed
     exported = serve
     if needed:
         # a second trace in which FP8 quantizers write carriers tf2onnx
-        # converts; `serve` (the real FP8 rounding) stays for parity
+        # converts, and block-scaled weights stay float (`blocked.py`);
+        # `serve` (the real rounding) stays for parity
         with onnx_trace():
             exported = _trace(traced)
     proto = function_to_onnx(
@@ -341,11 +351,13 @@ def export_onnx(
         opset=min(opset, _TF2ONNX_MAX_OPSET),
         inputs_as_nchw=inputs_as_nchw,
     )
-    if needed:  # FP8 Q/DQ exist from opset 19: retype, then fold
+    if carried:  # FP8 Q/DQ exist from opset 19: retype, then fold
         proto = onnx_fp16.convert_version(proto, opset)
         retype.retype_carriers(proto, traced)
     proto = fold_weight_qdq(proto)
     proto = onnx_fp16.convert_version(proto, opset)
+    if blocked_opset:  # blocked DQ (`block_size`) exist from opset 21
+        blocked.write_blocked_weights(proto, traced)
     typed = None
     if dtype:
         try:

@@ -44,6 +44,7 @@ class ParityReport:
     typed: object = None
     near_ties: int = 0
     dtype: str = "float32"
+    runtime: str = "ONNX Runtime"
 
     def __str__(self):
         ties = (
@@ -53,7 +54,7 @@ class ParityReport:
             else ""
         )
         text = (
-            f"ONNX Runtime parity on {self.samples} inputs (graph "
+            f"{self.runtime} parity on {self.samples} inputs (graph "
             f"optimizations off): top-1 agreement "
             f"{100 * self.top1_agreement:.2f}%{ties}, relative L2 "
             f"{self.rel_l2:.2e}, max |diff| {self.max_abs_diff:.3g}, mean "
@@ -100,6 +101,47 @@ def ort_session(path, optimized=True):
         path if isinstance(path, bytes) else str(path),
         options,
         providers=["CPUExecutionProvider"],
+    )
+
+
+# Element types ONNX Runtime 1.32's CPU provider cannot dequantize
+# (NOT_IMPLEMENTED): FLOAT4E2M1 codes (NVFP4) and FLOAT8E8M0 scales (MXFP8).
+_REFERENCE_ONLY_TYPES = frozenset({23, 24})
+REFERENCE_NOTE = (
+    "NVFP4/MXFP8 graph: ONNX Runtime 1.32's CPU provider cannot dequantize "
+    "FLOAT4E2M1 or FLOAT8E8M0, so parity is checked with "
+    "onnx.reference.ReferenceEvaluator, and there is no optimized figure"
+)
+
+
+class ReferenceSession:
+    """`onnx.reference.ReferenceEvaluator` behind the few methods of an
+    `onnxruntime.InferenceSession` that `run_session` and `check_parity`
+    call, for graphs ONNX Runtime cannot run."""
+
+    def __init__(self, path):
+        onnx = optional_import("onnx")
+        from onnx.reference import ReferenceEvaluator
+
+        self.proto = onnx.load(path)
+        self.evaluator = ReferenceEvaluator(self.proto)
+        inits = {i.name for i in self.proto.graph.initializer}
+        self.inputs = [i for i in self.proto.graph.input if i.name not in inits]
+
+    def get_inputs(self):
+        return self.inputs
+
+    def get_outputs(self):
+        return list(self.proto.graph.output)
+
+    def run(self, names, feeds):
+        return self.evaluator.run(names, feeds)
+
+
+def reference_only(proto):
+    """Whether `proto` holds initializers ONNX Runtime cannot dequantize."""
+    return any(
+        i.data_type in _REFERENCE_ONLY_TYPES for i in proto.graph.initializer
     )
 
 
@@ -436,8 +478,13 @@ def check_parity(
     want, names = _keras_outputs(model, inputs, serve)
     proto = optional_import("onnx").load(onnx_path)
     dtype = _graph_dtype(proto)
+    reference = reference_only(proto)
     with _ort_errors(model, onnx_path, "load"):
-        session = ort_session(onnx_path, optimized=False)
+        session = (
+            ReferenceSession(onnx_path)
+            if reference
+            else ort_session(onnx_path, optimized=False)
+        )
     if len(session.get_outputs()) != len(want):
         raise ExportError(
             f"{onnx_path} has {len(session.get_outputs())} output(s), but "
@@ -447,7 +494,9 @@ def check_parity(
     with _ort_errors(model, onnx_path, "run"):
         rows = _compare(want, run_session(session, inputs), names, dtype)
     note = _optimized_note(proto)
-    if note:  # ORT's optimizer mishandles FP8: its figures are a note only
+    if reference:
+        note, optimized = REFERENCE_NOTE, None
+    elif note:  # ORT's optimizer mishandles FP8: its figures are a note only
         try:
             optimized = _compare(
                 want, run_session(ort_session(onnx_path), inputs), names, dtype
@@ -472,6 +521,7 @@ def check_parity(
         note=note,
         near_ties=sum(r.near_ties for r in rows),
         dtype=dtype,
+        runtime="onnx.reference" if reference else "ONNX Runtime",
     )
     if report.top1_agreement < min_top1_agreement or report.rel_l2 > max_rel_l2:
         raise ParityError(

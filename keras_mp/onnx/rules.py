@@ -10,6 +10,7 @@ import dataclasses
 import numpy as np
 
 from keras_mp._compat import optional_import
+from keras_mp.onnx.block_rules import is_blocked, rule_blocks
 from keras_mp.onnx.graph import (
     BIAS_SLOT,
     FLOAT8E4M3FN,
@@ -197,6 +198,8 @@ def _rule_qoperator(graph):
 
 def _rule_zero_point(graph):
     for node in graph.qdq:
+        if is_blocked(node):
+            continue  # `_rule_blocks`
         has_zero_point = len(node.input) > 2 and node.input[2]
         dtype = _qdq_type(graph, node)
         message = None
@@ -235,6 +238,8 @@ def _rule_zero_point(graph):
 
 def _rule_scale(graph):
     for node in graph.qdq:
+        if is_blocked(node):
+            continue  # `_rule_blocks` (E8M0 and NVFP4's computed scales)
         tensor = node.input[1]
         scale = graph.const(tensor)
         if scale is None:
@@ -270,6 +275,8 @@ def _rule_scale(graph):
 
 def _rule_per_channel(graph):
     for node in graph.qdq:
+        if is_blocked(node):
+            continue  # `_rule_blocks`
         scale = graph.const(node.input[1])
         if scale is None or scale.size <= 1:
             continue
@@ -353,7 +360,12 @@ def _rule_weight_dq_direct(graph):
 def _rule_partial_quantization(graph):
     for op in graph.weighted:
         quantized = graph.quantized_inputs(op)
+        weight_only = any(
+            is_blocked(graph.trace(t).dq or op) for t in op.input[:2]
+        )
         if len(quantized) == 2 and quantized[0] != quantized[1]:
+            if weight_only:
+                continue  # INT4 weight-only: the input stays float
             missing = op.input[quantized.index(False)]
             yield Finding(
                 "partial_quantization",
@@ -616,8 +628,13 @@ def _rule_sparsity(graph):
         )
 
 
+def _rule_blocks(graph):
+    return rule_blocks(graph, Finding)
+
+
 RULES = [
     _rule_qoperator,
+    _rule_blocks,
     _rule_zero_point,
     _rule_scale,
     _rule_per_channel,

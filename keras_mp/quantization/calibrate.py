@@ -12,6 +12,11 @@ import keras
 import numpy as np
 
 from keras_mp import _inputs, _keras, _models
+from keras_mp.quantization.block_calibrate import (
+    WEIGHT_METHODS,
+    block_quantizers,
+    calibrate_blocks,
+)
 from keras_mp.quantization.calibrators import (
     CALIBRATORS,
     HistogramCalibrator,
@@ -38,6 +43,8 @@ class CalibrationReport:
     chosen: dict = dataclasses.field(default_factory=dict)
     # name -> fraction of its inputs beyond its range (histogram methods)
     saturated: dict = dataclasses.field(default_factory=dict)
+    # weight name -> (before, after) relative output error (`"gptq"`)
+    weight_errors: dict = dataclasses.field(default_factory=dict)
 
     def to_table(self):
         rows = [
@@ -89,7 +96,11 @@ def calibrate(
             KL-divergence search), `"mse"` or `"auto"` (per quantizer, the
             range of any of these with the least quantization error of its
             inputs on its format's grid; the report's `chosen` says which).
-            Defaults to `"max"`.
+            `"gptq"`: GPTQ rounding of the INT4 (block-scaled) weights on
+            their layers' inputs (`block_calibrate`; activation ranges of
+            the other layers by `"max"`); the report's `weight_errors`
+            gives each weight's relative output error with max scales and
+            with GPTQ. Defaults to `"max"`.
         num_batches: int. Stop after this many batches. Defaults to all.
         batch_size: int. Batch size for array data. Defaults to 128.
         percentile: float. For `"percentile"`. Defaults to 99.99.
@@ -129,11 +140,15 @@ def calibrate(
             "`num_batches` must be a positive integer, or None for all the "
             f"data. Received: {num_batches!r}"
         )
-    if method not in CALIBRATORS:
+    if method not in CALIBRATORS and method not in WEIGHT_METHODS:
         raise ValueError(
             f"Unknown calibration method. Expected one of "
-            f"{sorted(CALIBRATORS)}. Received: method={method!r}"
+            f"{sorted(CALIBRATORS) + list(WEIGHT_METHODS)}. Received: "
+            f"method={method!r}"
         )
+    weight_method = method if method in WEIGHT_METHODS else None
+    if weight_method:  # activations (INT8/FP8 layers) by max
+        method = "max"
     if not 0 < percentile <= 100:
         raise ValueError(
             f"`percentile` must be in (0, 100]. Received: {percentile}"
@@ -142,10 +157,32 @@ def calibrate(
     _check_data(model, data, specs, num_batches)
     quantizers = activation_quantizers(model, "calibrate")
     fixed = [n for n, q in quantizers.items() if q.fixed_range is not None]
+    if weight_method:
+        block_quantizers(model)  # none: an error before anything runs
+        report = None
+        if quantizers:
+            report = calibrate(
+                model, data, "max", num_batches, batch_size, verbose=verbose
+            )
+
+        def run_batches():
+            for batch, _ in _inputs.batches(
+                data, specs, "calibrate", batch_size, num_batches
+            ):
+                model(_inputs.call_arg(model, batch, specs), training=False)
+
+        errors = calibrate_blocks(model, run_batches)
+        _models.reset_compiled_functions(model)
+        if report is None:
+            report = CalibrationReport(weight_method, 0, 0, {}, {}, [], {}, {})
+        report.method, report.weight_errors = weight_method, errors
+        return report
     if not quantizers:
         raise ValueError(
             f"Model {model.name!r} has no activation quantizer to calibrate. "
-            "Quantize it first with keras_mp.quantize_model(model)."
+            "Quantize it first with keras_mp.quantize_model(model). (An "
+            "INT4 weight-only model needs no calibration: its block ranges "
+            "come from the weights.)"
         )
     quantizers = {n: q for n, q in quantizers.items() if n not in fixed}
     calibrators = {}

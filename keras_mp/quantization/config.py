@@ -9,9 +9,15 @@ import dataclasses
 
 import keras
 
+from keras_mp.quantization.formats import FORMATS
+
 # The precisions a layer can be quantized to: the `FORMATS` rows TensorRT
-# runs (int8 stands for the int rows of `num_bits`).
+# runs (int8 stands for the int rows of `num_bits`), weights and inputs;
+# the precision search and sensitivity analysis choose among these.
 PRECISIONS = ("int8", "fp8")
+# The block-scaled, weight-only precisions (int4 is the int4 row's blocked
+# form): `QuantizeConfig` takes them; the precision search does not yet.
+BLOCK_PRECISIONS = ("int4", "nvfp4", "mxfp8")
 # Other names of those precisions, lowercase: FP8 is E4M3 (TensorRT's FP8
 # Q/DQ, the ONNX FLOAT8E4M3FN zero point).
 _ALIASES = {
@@ -23,8 +29,9 @@ _ALIASES = {
 
 
 def precision_name(precision):
-    """The name in `PRECISIONS` of `precision`, given in any case or as an
-    alias (`"INT8"`, `"FP8"`, `"e4m3"`, `"float8_e4m3fn"`).
+    """The name in `PRECISIONS` or `BLOCK_PRECISIONS` of `precision`,
+    given in any case or as an alias (`"INT8"`, `"FP8"`, `"e4m3"`,
+    `"float8_e4m3fn"`).
 
     Raises:
         ValueError: not a name of a precision keras_mp quantizes to (the
@@ -33,10 +40,11 @@ def precision_name(precision):
     if isinstance(precision, str):
         key = precision.strip().lower()
         key = _ALIASES.get(key, key)
-        if key in PRECISIONS:
+        if key in PRECISIONS + BLOCK_PRECISIONS:
             return key
     raise ValueError(
-        f"`precision` must be one of {list(PRECISIONS)} (any case; FP8 is "
+        f"`precision` must be one of {list(PRECISIONS + BLOCK_PRECISIONS)} "
+        "(any case; FP8 is "
         f"E4M3, also named {', '.join(repr(a) for a in _ALIASES)}; fewer "
         "int bits: precision='int8' with num_bits). Received: "
         f"precision={precision!r}"
@@ -57,8 +65,15 @@ class QuantizeConfig:
             config keeps the lowercase name. Where
             TensorRT has no FP8 kernel (convolutions with 16 channels or
             fewer in or out, or a filter of more than 32 taps) the layer
-            takes INT8 and `quantization_report` says so. Defaults to
-            `"int8"`.
+            takes INT8 and `quantization_report` says so. `"int4"`: INT4
+            weight-only (W4A16), for Dense and EinsumDense kernels: one
+            float32 scale per `block_size` values along K and per output
+            channel, inputs left in the layer's float dtype; convolutions
+            and weights in a layer's own code take INT8, attention matmuls
+            stay float (TensorRT runs INT4 on MatMul/Gemm weights only).
+            `"nvfp4"` (E2M1 codes, FP8 scales per 16, Blackwell) and
+            `"mxfp8"` (E4M3 codes, E8M0 scales per 32) are placed the same
+            way, weight-only. Defaults to `"int8"`.
         num_bits: int. Bits of an int precision's weights and activations
             (2..8; TensorRT runs 8). Defaults to 8.
         per_channel: bool. Per-channel weight ranges (on the output-channel
@@ -86,10 +101,16 @@ class QuantizeConfig:
             K or N below 16 (a 10-class head) too. TensorRT's INT8 and FP8
             kernels are no faster than float there and ModelOpt leaves
             them float, as keras_mp does by default. Defaults to False.
+        block_size: int or None. For a block-scaled precision: values per
+            block along K; int4: 128, 64 or 32 (TensorRT takes 64 and 128),
+            nvfp4: 16, mxfp8: 32. K must be a multiple of it. Defaults to
+            None (the precision's first size).
 
     Raises:
         ValueError: `num_bits` is not an integer in [2, 8], an unknown
-            `precision`, or `precision="fp8"` with `num_bits` other than 8.
+            `precision`, `precision="fp8"` with `num_bits` other than 8,
+            or a `block_size` without a block-scaled precision or not one
+            of its sizes.
 
     Example:
 
@@ -97,6 +118,7 @@ class QuantizeConfig:
     >>> qmodel = keras_mp.quantize_model(model, config={"fc": config})
     >>> fp8 = keras_mp.QuantizeConfig(precision="fp8")
     >>> mixed = keras_mp.quantize_model(model, config={"encoder.*": fp8})
+    >>> w4 = keras_mp.QuantizeConfig(precision="int4", block_size=64)
     """
 
     skip: bool = False
@@ -108,6 +130,7 @@ class QuantizeConfig:
     dot: bool = True
     precision: str = "int8"
     small_gemms: bool = False
+    block_size: int = None
 
     def __post_init__(self):
         if not isinstance(self.num_bits, int) or not 2 <= self.num_bits <= 8:
@@ -122,6 +145,30 @@ class QuantizeConfig:
                 f"{self.precision!r} has 8 bits. Received: "
                 f"num_bits={self.num_bits!r}"
             )
+        row = FORMATS[self.format]
+        if not self.blocked:
+            if self.block_size is not None:
+                raise ValueError(
+                    "`block_size` is for the block-scaled precisions "
+                    "('int4', 'nvfp4', 'mxfp8'). Received: precision="
+                    f"{self.precision!r}, block_size={self.block_size!r}"
+                )
+        elif self.block_size is None:
+            self.block_size = row.block_sizes[0]
+        elif self.block_size not in row.block_sizes:
+            raise ValueError(
+                f"precision={self.precision!r} takes block_size in "
+                f"{list(row.block_sizes)} (TensorRT builds "
+                f"{list(row.tensorrt_block_sizes)}). Received: "
+                f"block_size={self.block_size!r}"
+            )
+
+    @property
+    def blocked(self):
+        """Whether the precision is block-scaled and weight-only (int4,
+        nvfp4, mxfp8; not `num_bits=4`, the per-channel int4 of
+        simulation)."""
+        return self.precision != "int8" and FORMATS[self.format].weight_only
 
     @property
     def format(self):

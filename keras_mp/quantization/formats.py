@@ -17,6 +17,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_mp._switch import Switch
+from keras_mp.quantization.blocks import block_format, exact_divide
 
 _TRACE = Switch(default=False)
 
@@ -26,6 +27,11 @@ def onnx_trace():
     tf2onnx can write) instead of its `qdq`: `export_onnx` traces the
     model inside it, then retypes the carriers (`keras_mp.onnx.retype`)."""
     return _TRACE.set(True)
+
+
+def tracing():
+    """Whether `onnx_trace` is active."""
+    return _TRACE.value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,8 +44,10 @@ class NumberFormat:
 
     Attributes:
         name: str. The row's name (`"int8"`), as configs save it.
-        kind: str. `"int"` (uniform grid of integers) or `"float"` (a
-            floating-point grid, e.g. FP8 E4M3).
+        kind: str. `"int"` (uniform grid of integers), `"float"` (a
+            floating-point grid, e.g. FP8 E4M3) or `"block"` (block-scaled
+            only, NVFP4 and MXFP8: the `block` row holds the grid and the
+            scales; no per-tensor or per-channel form).
         bits: int. Bits per value.
         qmax: float. The largest code; `amax` maps to it.
         qmin: float. The smallest code of the full range.
@@ -57,6 +65,17 @@ class NumberFormat:
             write: what the ONNX trace computes instead (`onnx_trace`), an
             unsigned 8-bit Q/DQ whose scale is this format's; the export
             gives it `onnx_type`. None: the trace computes `qdq`.
+        block: str or None. The `blocks.FORMATS` row of this format's
+            block-scaled weights (`"int4"`: INT4 codes, one float32 scale
+            per `block_size` values along K), which gives their ONNX types
+            and opset; None when the format has no block-scaled form.
+        block_sizes: tuple of int. The block sizes a quantizer accepts,
+            default first (`()` without `block`).
+        tensorrt_block_sizes: tuple of int. Those TensorRT builds.
+        weight_only: bool. Block-scaled, TensorRT takes this format for
+            weights only: the layer's activations stay in its float dtype.
+        tensorrt_ops: tuple of str. The ONNX ops whose weights TensorRT
+            takes block-scaled in this format (`()`: any weighted op).
     """
 
     name: str
@@ -69,12 +88,17 @@ class NumberFormat:
     storage: type = np.int8
     min_opset: int = 13
     carrier: Callable = dataclasses.field(default=None, repr=False)
+    block: str = None
+    block_sizes: tuple = ()
+    tensorrt_block_sizes: tuple = ()
+    weight_only: bool = False
+    tensorrt_ops: tuple = ()
 
     def __post_init__(self):
-        if self.kind not in ("int", "float"):
+        if self.kind not in ("int", "float", "block"):
             raise ValueError(
-                f"NumberFormat {self.name!r}: `kind` must be 'int' or "
-                f"'float'. Received: kind={self.kind!r}"
+                f"NumberFormat {self.name!r}: `kind` must be 'int', 'float' "
+                f"or 'block'. Received: kind={self.kind!r}"
             )
         if not self.qmin < 0 < self.qmax:
             raise ValueError(
@@ -82,6 +106,11 @@ class NumberFormat:
                 f"qmin < 0 < qmax. Received: qmin={self.qmin}, "
                 f"qmax={self.qmax}"
             )
+
+    @property
+    def block_format(self):
+        """The `blocks.BlockFormat` row of the block-scaled form, or None."""
+        return None if self.block is None else block_format(self.block)
 
     @property
     def narrow_qmin(self):
@@ -141,6 +170,20 @@ def _int_qdq(fmt, x, amax, axis, narrow_range):
     )
 
 
+# INT4 weight-only, as TensorRT builds it (onnx-tensorrt `onnxOpImporters.cpp`
+# DequantizeLinear: INT4 only as a blocked weight DQ, block size 64 or 128
+# along K, symmetric; ModelOpt's INT4_AWQ / INT4_BLOCKWISE configs: scale
+# `amax / 7`, blocks of 128, MatMul/Gemm weights only, inputs float).
+# `blocks.py` also takes blocks of 32, for simulation and other runtimes.
+_INT4_BLOCKS = dict(
+    block="int4",
+    block_sizes=(128, 64, 32),
+    tensorrt_block_sizes=(128, 64),
+    weight_only=True,
+    tensorrt_ops=("MatMul", "Gemm"),
+)
+
+
 def _int_row(bits):
     top = 2 ** (bits - 1)
     return NumberFormat(
@@ -152,6 +195,7 @@ def _int_row(bits):
         # tf2onnx writes Q/DQ for 8 bits only; fewer are for simulation.
         onnx_type="INT8" if bits == 8 else None,
         qdq=_int_qdq,
+        **(_INT4_BLOCKS if bits == 4 else {}),
     )
 
 
@@ -165,17 +209,10 @@ def _broadcast(amax, x, axis):
 
 def _scale(fmt, amax):
     """`amax / qmax` rounded once to float32, the scale `NumberFormat.scale`
-    gives the export, also in a `tf.function` and under XLA.
-
-    Grappler's constant folding and XLA turn a division by a constant into
-    a multiplication by its reciprocal, which rounds twice: in float32 the
-    scale would often be one unit in the last place off the file's, and a
-    value near a rounding tie would take the other code. In float64 the
-    twice-rounded quotient is within 2**-52 of the exact one, and a float32
-    divided by a float32 is a float32 or lies at least 2**-49 (relative)
-    from a float32 tie: it rounds to the same float32 as the exact one.
-    """
-    return tf.cast(tf.cast(amax, tf.float64) / fmt.qmax, tf.float32)
+    gives the export, also in a `tf.function` and under XLA (Grappler and
+    XLA turn a division by a constant into a product by its inexact
+    reciprocal: `blocks.exact_divide` says why float64 avoids it)."""
+    return exact_divide(amax, fmt.qmax)
 
 
 def _float_qdq(fmt, x, amax, axis, narrow_range):
@@ -226,10 +263,52 @@ _FP8_E4M3 = NumberFormat(
     carrier=_unsigned_carrier,
 )
 
+
+def _block_only(fmt, x, amax, axis, narrow_range):
+    raise ValueError(
+        f"Format {fmt.name!r} is block-scaled only: quantize weights with "
+        f"it in blocks (TensorQuantizer(format={fmt.name!r}, block_size="
+        f"{fmt.block_sizes[0]}), QuantizeConfig(precision={fmt.name!r}))."
+    )
+
+
+def _block_row(name, bits, qmax, storage):
+    """NVFP4 / MXFP8 as TensorRT 11 builds them (`blocks.py` has the
+    grids and ModelOpt's scales): MatMul/Gemm weights in blocks of 16
+    (FP8 E4M3 scales times a float32 global scale, FLOAT4E2M1 codes,
+    opset 23) or 32 (E8M0 scales, FLOAT8E4M3FN codes, opset 24).
+    keras_mp writes the weights only; TensorRT's FP4/MXFP8 activations
+    need a DynamicQuantize, which the export does not write."""
+    return NumberFormat(
+        name=name,
+        kind="block",
+        bits=bits,
+        qmax=qmax,
+        qmin=-qmax,
+        onnx_type=None,
+        qdq=_block_only,
+        storage=storage,
+        block=name,
+        block_sizes=(block_format(name).block_sizes[0],),
+        tensorrt_block_sizes=(block_format(name).block_sizes[0],),
+        weight_only=True,
+        tensorrt_ops=("MatMul", "Gemm"),
+    )
+
+
 # Every format a quantizer accepts, by name. The int rows are the widths
-# `QuantizeConfig(num_bits=...)` accepts; TensorRT runs int8 and fp8.
+# `QuantizeConfig(num_bits=...)` accepts; TensorRT runs int8 and fp8, and
+# the block-scaled int4 (weights), nvfp4 and mxfp8.
 FORMATS = types.MappingProxyType(
-    {row.name: row for row in [*map(_int_row, range(2, 9)), _FP8_E4M3]}
+    {
+        row.name: row
+        for row in [
+            *map(_int_row, range(2, 9)),
+            _FP8_E4M3,
+            _block_row("nvfp4", 4, 6.0, ml_dtypes.float4_e2m1fn),
+            _block_row("mxfp8", 8, 448.0, ml_dtypes.float8_e4m3fn),
+        ]
+    }
 )
 
 

@@ -138,6 +138,9 @@ def choose(model, layers=None, config=None, annotated=False, default=None):
                 continue
         if layer.built:
             chosen[index] = layer_config or default or QuantizeConfig()
+            placement.check_blocks(
+                layer, _models.layer_path(layer, parents), chosen[index]
+            )
     return chosen
 
 

@@ -22,6 +22,7 @@ import keras
 from keras_mp import _keras, layer_table
 from keras_mp.layer_table import ALL_INPUTS, NO_INPUTS, SKIP_INPUTS
 from keras_mp.quantization import op_probe
+from keras_mp.quantization.formats import FORMATS
 from keras_mp.quantization.layers import quantizable_row
 
 # How TensorRT treats the non-weighted ops around a Q/DQ (TensorRT Developer
@@ -149,6 +150,10 @@ def input_placement(layer, row, config):
     """The input indices of a leaf layer that get a Q/DQ (none for a
     matmul of two activations kept float by `QuantizeConfig(dot=False)`)."""
     placement = row.inputs
+    if config.blocked and (_gemm_layer(layer) or not row.weights):
+        # weight-only: inputs stay in the layer's float dtype (a convolution
+        # takes INT8, its input Q/DQ included: `layer_format`)
+        return []
     if config.quantize_inputs is not None:
         placement = ALL_INPUTS if config.quantize_inputs else NO_INPUTS
     if row.matmul and not config.dot:
@@ -199,10 +204,30 @@ def _no_fp8_conv(layer):
     return ""
 
 
+# The block-scaled formats are weight-only on MatMul/Gemm here (TensorRT:
+# INT4 weight-only on GEMMs; `FORMATS` rows' `tensorrt_ops`): a Dense or
+# EinsumDense kernel takes them; a convolution, or a weight in a layer's
+# own code (op sites), takes INT8 (ModelOpt's INT4 configs leave
+# convolutions to INT8/FP8 too); matmuls of two activations stay float.
+def _blocked_note(config):
+    return (
+        f"{config.precision.upper()} asked, INT8 here: TensorRT runs "
+        f"{config.precision.upper()} on MatMul/Gemm weights only "
+        "(weight-only); keras_mp blocks Dense and EinsumDense kernels"
+    )
+
+
+def _gemm_layer(layer):
+    return isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense))
+
+
 def layer_format(layer, config):
     """`(format name, note)`: the `FORMATS` row `layer`'s quantizers use
     under `config`, and why it is not the one `config` asks for ("" when
-    it is). A convolution TensorRT cannot run in FP8 takes INT8."""
+    it is). A convolution TensorRT cannot run in FP8 takes INT8, and so
+    does a layer other than Dense/EinsumDense asked for INT4."""
+    if config.blocked and not _gemm_layer(layer):
+        return "int8", _blocked_note(config)
     if config.precision == "fp8" and _is_conv(layer):
         reason = _no_fp8_conv(layer)
         if reason:
@@ -218,6 +243,56 @@ def weight_axes(layer, weight, config):
     if layer_format(layer, config)[0] == "fp8" and _is_conv(layer):
         return ()
     return weight.out_axes
+
+
+def weight_blocks(layer, weight, config):
+    """`(block_size, K axes)` of `weight` for a blocked INT4 quantizer, or
+    None for a per-channel/per-tensor one: the kernel axes of a Dense or
+    EinsumDense that are not output channels."""
+    if not config.blocked or not _gemm_layer(layer):
+        return None
+    rank = len(getattr(layer, weight.attr).shape)
+    if isinstance(layer, keras.layers.EinsumDense):
+        x_spec, kernel_spec, output = layer_table._einsum_parts(layer.equation)
+        k_axes = tuple(
+            i
+            for i, c in enumerate(kernel_spec)
+            if c in x_spec and c not in output
+        )
+    else:
+        out = {a % rank for a in weight.out_axes}
+        k_axes = tuple(a for a in range(rank) if a not in out)
+    return config.block_size, k_axes
+
+
+def check_blocks(layer, path, config):
+    """A ValueError, before anything is quantized, when a Dense or
+    EinsumDense selected for INT4 has a K that `config.block_size` does
+    not divide, naming the layer, K and the block sizes that fit."""
+    row = quantizable_row(layer)
+    if row is None or row.op_sites:
+        return
+    for weight in row.weights:
+        blocks = weight_blocks(layer, weight, config)
+        if blocks is None:
+            continue
+        shape = getattr(layer, weight.attr).shape
+        k = 1
+        for a in blocks[1]:
+            k *= int(shape[a])
+        if k % blocks[0]:
+            sizes = FORMATS[config.format].block_sizes
+            fits = [b for b in sizes if k % b == 0]
+            raise ValueError(
+                f"Layer {path!r}: its {weight.attr} has K={k}, not a "
+                f"multiple of block_size={blocks[0]} (TensorRT reads a "
+                "blocked weight without a shorter last block). Block sizes "
+                f"that divide K: {fits or 'none'} of {list(sizes)}; give "
+                f"this layer QuantizeConfig(precision={config.precision!r}, "
+                "block_size=...) "
+                "with one of them, or another precision. Nothing was "
+                "quantized."
+            )
 
 
 # TensorRT's INT8 and FP8 GEMM kernels are no faster than float when K or N
@@ -261,6 +336,11 @@ def site_float(site, config, row=None):
     roles = [spec["role"] for spec in site["operands"]]
     if not any(roles):
         return "no float operand"
+    if config.blocked and "weight" not in roles:
+        return (
+            f"{config.precision.upper()} is weight-only here: a matmul of "
+            "two activations stays float"
+        )
     if not site.get("gemm", True):
         return "sums over nothing (an outer or elementwise product): no GEMM"
     for spec in site["operands"]:

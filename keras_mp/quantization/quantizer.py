@@ -17,11 +17,16 @@ import tensorflow as tf
 
 from keras_mp import _keras
 from keras_mp._compat import require_tensorflow
-from keras_mp.quantization.formats import FORMATS, number_format
+from keras_mp.quantization.formats import FORMATS, number_format, tracing
 from keras_mp.quantization.quantizers import (
+    block_amax,
+    block_fake_quant,
+    block_shape,
     channel_amax,
+    check_block_size,
     fake_quant,
     fake_quant_learned,
+    matrix_view,
 )
 
 
@@ -66,11 +71,21 @@ class TensorQuantizer(keras.layers.Layer):
         fixed_range: float or None. A range that neither calibration nor
             training changes (an FP8 softmax output: 1.0, scale 1/448).
             Defaults to None.
+        block_size: int or None. Block-scaled weights (a format with a
+            `block` row, e.g. `"int4"`): one range per `block_size` values
+            along the GEMM's reduction axis K and per output channel, as a
+            blocked ONNX DequantizeLinear reads them. None: per tensor or
+            per channel. Defaults to None.
+        block_axes: tuple of int. With `block_size`: the input's K axes
+            (several are merged, in order, as the exported MatMul weight
+            merges them); every other axis is an output channel. Defaults
+            to `(0,)` (a Dense kernel `(K, N)`).
         **kwargs: Base layer arguments (`name`, `dtype`).
 
     Raises:
-        ValueError: an unknown format, or a learned range that is per
-            channel, narrow or tracked.
+        ValueError: an unknown format, a learned range that is per
+            channel, narrow or tracked, or a block size the format does
+            not take (or with `out_axes`, a learned or a fixed range).
 
     Example:
 
@@ -89,6 +104,8 @@ class TensorQuantizer(keras.layers.Layer):
         track_range=False,
         num_bits=None,
         fixed_range=None,
+        block_size=None,
+        block_axes=(0,),
         **kwargs,
     ):
         require_tensorflow(f"keras_mp.{type(self).__name__}")
@@ -114,6 +131,10 @@ class TensorQuantizer(keras.layers.Layer):
                 f"track_range=False. Received: fixed_range={fixed_range}"
             )
         self.fixed_range = None if fixed_range is None else float(fixed_range)
+        self.block_size = check_block_size(
+            self.format, block_size, self.out_axes, learned_range, fixed_range
+        )
+        self.block_axes = tuple(int(a) for a in block_axes)
         self.narrow_range = bool(narrow_range)
         self.learned_range = bool(learned_range)
         self.track_range = bool(track_range)
@@ -127,9 +148,13 @@ class TensorQuantizer(keras.layers.Layer):
         return self.format.bits
 
     def build(self, input_shape):
+        if self.block_size:
+            shape = block_shape(input_shape, self.block_axes, self.block_size)
+        else:
+            shape = _num_channels(input_shape, self.out_axes)
         self.amax = self.add_weight(
             name="amax",
-            shape=_num_channels(input_shape, self.out_axes),
+            shape=shape,
             initializer=keras.initializers.Constant(self.fixed_range or 0.0),
             dtype="float32",
             trainable=self.learned_range,
@@ -141,8 +166,14 @@ class TensorQuantizer(keras.layers.Layer):
 
     def update(self, tensor):
         """Sets the range to `tensor`'s `max|x|` (per channel over
-        `out_axes`)."""
-        self.amax.assign(tensor_amax(tensor, self.out_axes))
+        `out_axes`, or per block)."""
+        self.amax.assign(self._amax_of(tensor))
+
+    def _amax_of(self, tensor):
+        if self.block_size:
+            view, _ = matrix_view(tensor, self.block_axes)
+            return block_amax(view, self.block_size)
+        return tensor_amax(tensor, self.out_axes)
 
     def call(self, inputs, training=None):
         if self.collector is not None:
@@ -163,7 +194,11 @@ class TensorQuantizer(keras.layers.Layer):
         if self.fixed_range is not None:
             return amax
         if training and self.track_range:
-            amax = tensor_amax(inputs, self.out_axes)
+            amax = self._amax_of(inputs)
+            self.amax.assign(amax)
+        elif training and self.block_size:  # blocks: weights, no strategy
+            calibrated = tf.reduce_any(tf.convert_to_tensor(amax) > 0)
+            amax = tf.where(calibrated, amax, self._amax_of(inputs))
             self.amax.assign(amax)
         elif training and not self.learned_range:
             # First training step without calibration: start from the batch.
@@ -177,6 +212,15 @@ class TensorQuantizer(keras.layers.Layer):
         quantizers, `twins.QuantizedLayer`)."""
         if self.learned_range:
             out = fake_quant_learned(inputs, amax, self.format)
+        elif self.block_size and tracing():
+            # the export's stand-in: the float weight, which the export
+            # finds by its values and writes blocked (`onnx/blocked.py`)
+            out = inputs
+        elif self.block_size:
+            view, back = matrix_view(inputs, self.block_axes)
+            out = back(
+                block_fake_quant(view, amax, self.format, self.block_size)
+            )
         else:
             view, axis, back = _channel_view(inputs, self.out_axes)
             out = back(
@@ -203,6 +247,8 @@ class TensorQuantizer(keras.layers.Layer):
             learned_range=self.learned_range,
             track_range=self.track_range,
             fixed_range=self.fixed_range,
+            block_size=self.block_size,
+            block_axes=self.block_axes,
         )
         return config
 

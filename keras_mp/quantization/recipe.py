@@ -160,9 +160,16 @@ def attach(layer, row, config, inputs, path, calls=1, sites=(), site_attr=None):
         layer.weight_quantizers = []
         _attach_sites(layer, list(sites), fmt, config, site_attr)
         for weight in weights:
-            axes = placement.weight_axes(layer, weight, config)
+            blocks = placement.weight_blocks(layer, weight, config)
+            if blocks is None:
+                axes, kwargs = placement.weight_axes(layer, weight, config), {}
+            else:
+                axes, kwargs = (
+                    (),
+                    dict(zip(("block_size", "block_axes"), blocks)),
+                )
             q = WeightQuantizer(
-                axes, format=fmt, name=f"{layer.name}_{weight.attr}_q"
+                axes, format=fmt, name=f"{layer.name}_{weight.attr}_q", **kwargs
             )
             q.build(getattr(layer, weight.attr).shape)
             layer.weight_quantizers.append(q)

@@ -45,6 +45,10 @@ def _quantized_row(layer):
                 *((k, q.amax) for k, q, w in layer.site_quantizers() if w),
             ]
         },
+        "block_size": next(
+            (q.block_size for q in layer.weight_quantizers if q.block_size),
+            None,
+        ),
         "note": "; ".join(notes),
     }
 
@@ -136,7 +140,8 @@ def quantization_report(model, verbose=True):
         ranges by input index, or by name: `pointwise_input`,
         `input_query`, `attention_probs`, ...), `weights` (per-channel
         range min/max by weight), `format` (a quantized layer's number
-        format: `"int8"`, `"fp8"`, ...), `note`.
+        format: `"int8"`, `"fp8"`, `"int4"`, ...), `block_size` (values
+        per block of a block-scaled weight, else None), `note`.
 
     Raises:
         TypeError: `model` is not a Keras 3 model.
@@ -175,7 +180,9 @@ def quantization_report(model, verbose=True):
             flag = "Q" if r["quantized"] else "-"
             name, kind = r["path"], r["type"]
             fmt = r.get("format", "")
+            if r.get("block_size"):
+                fmt += f"/{r['block_size']}"  # values per block along K
             print(
-                f"{flag} {name:<24} {kind:<22} {fmt:<5} {ins} {ws} {r['note']}"
+                f"{flag} {name:<24} {kind:<22} {fmt:<8} {ins} {ws} {r['note']}"
             )
     return rows

@@ -10,7 +10,7 @@ The measurement lives in `benchmarks/bench_lm.py`, whose full run writes
 import pytest
 
 from benchmarks import lm_corpus
-from benchmarks.bench_lm import BLOCK_ROWS, CONFIGS, run
+from benchmarks.bench_lm import BLOCK_ROWS, CONFIGS, PIPELINE_ROWS, run
 
 
 @pytest.mark.slow
@@ -20,12 +20,22 @@ def test_lm_benchmark_quick():
     assert results["corpus"]["test_samples"] == 50
     rows = {row["mode"]: row for row in results["rows"]}
     blocks = [f"{fmt}-{method}" for _, fmt, method in BLOCK_ROWS]
-    assert list(rows) == ["float32", "int4", "gptq", "awq", *blocks]
+    exported = [f"{p}-{method}-onnx" for _, p, method in PIPELINE_ROWS]
+    assert list(rows) == ["float32", "int4", "gptq", "awq", *blocks, *exported]
     # Trained: below the byte unigram entropy of English (about 4.4 bits).
     float_row = rows.pop("float32")
     assert float_row["perplexity"] < 2**4.2
     for mode, row in rows.items():
         assert row["perplexity"] < 1.5 * float_row["perplexity"], mode
+        if mode in exported:
+            assert row["onnx_parity_rel_l2"] < 1e-4, mode
+            assert (
+                row["onnx_file_bytes"]
+                < (0.5 if mode.startswith("mxfp8") else 0.35)  # 8-bit codes
+                * row["float32_onnx_file_bytes"]
+            )
+            assert "--stronglyTyped" in row["trtexec"]
+            continue
         size = "initializer_bytes" if mode in blocks else "keras_file_bytes"
         assert row[size] < float_row[size], mode
 

@@ -40,11 +40,12 @@ def test_precision_in_another_case_or_an_alias_is_its_name(given, name):
     assert config.get_config()["precision"] == name
 
 
-@pytest.mark.parametrize("given", ["int4", "fp16", "e5m2", 8, None])
+@pytest.mark.parametrize("given", ["int2", "fp16", "e5m2", 8, None])
 def test_unknown_precision_names_the_valid_ones(given):
     with pytest.raises(
         ValueError,
-        match=r"must be one of \['int8', 'fp8'\] \(any case; FP8 is E4M3, "
+        match=r"must be one of \['int8', 'fp8', 'int4', 'nvfp4', 'mxfp8'\] "
+        r"\(any case; FP8 is E4M3, "
         r"also named 'e4m3'.*num_bits\). Received: precision=",
     ):
         keras_mp.QuantizeConfig(precision=given)

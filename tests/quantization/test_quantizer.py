@@ -59,7 +59,11 @@ def test_int8_row():
 
 
 def test_int_rows_are_the_widths_quantize_config_accepts():
-    assert list(FORMATS) == [f"int{b}" for b in range(2, 9)] + ["fp8"]
+    assert list(FORMATS) == [f"int{b}" for b in range(2, 9)] + [
+        "fp8",
+        "nvfp4",
+        "mxfp8",
+    ]
     for bits in range(2, 9):
         QuantizeConfig(num_bits=bits)
         row = number_format(bits)
@@ -74,7 +78,9 @@ def test_number_format_lookup():
     assert number_format("int4") is row
     assert number_format(row) is row
     for bad in ("fp16", 16, True, 8.0, None):
-        with pytest.raises(ValueError, match=r"'int2', .* 'int8', 'fp8'\]"):
+        with pytest.raises(
+            ValueError, match=r"'int2', .* 'int8', 'fp8', 'nvfp4', 'mxfp8'\]"
+        ):
             number_format(bad)
 
 
