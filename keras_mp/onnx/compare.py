@@ -35,6 +35,12 @@ class CompareReport:
         precision: str. The float type of the ONNX graph, which set the
             default tolerances: `"float32"`, or `"float16"` for a graph
             exported with `dtype="float16"`.
+
+    Example:
+
+    >>> report = keras_mp.compare_onnx(qmodel, "model.onnx", x_test[:64])
+    >>> print(report)  # the verdict, then one line per layer
+    >>> report.first_divergence
     """
 
     samples: int
@@ -48,6 +54,10 @@ class CompareReport:
     def first_divergence(self):
         """The first `LayerError` past the tolerance, or None."""
         return next((r for r in self.rows if r.diverged), None)
+
+    def to_dict(self):
+        """The report as plain Python (JSON-ready)."""
+        return dataclasses.asdict(self)
 
     def to_markdown(self):
         lines = [
@@ -197,8 +207,8 @@ def compare_onnx(
     ONNX Runtime cannot run its Q/DQ.
 
     Returns:
-        `CompareReport` (`.rows`, `.first_divergence`, `.to_markdown()`,
-        `.plot(path)`).
+        `CompareReport` (`.rows`, `.first_divergence`, `.to_dict()`,
+        `.to_markdown()`, `.plot(path)`).
 
     Raises:
         TypeError: not a Sequential or Functional Keras model.
