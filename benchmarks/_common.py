@@ -1,12 +1,93 @@
-"""Shared benchmark plumbing: versions, timing, atomic JSON + Markdown."""
+"""Shared benchmark plumbing: the command line every `bench_*.py` starts
+from, versions, timing, and the results written as JSON + Markdown."""
 
+import argparse
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results")
+
+
+def bench_parser(doc, quick_help="smoke run"):
+    """The command line of a benchmark: `--help` prints the script's
+    docstring `doc`, `--quick` runs the smoke setting (`write_results`
+    then writes `<name>_quick.*`, never the measured figures).
+
+    Args:
+        doc: str. The script's docstring.
+        quick_help: str. What `--quick` does. Defaults to "smoke run".
+
+    Returns:
+        An `argparse.ArgumentParser`; add the script's own options to it.
+    """
+    parser = argparse.ArgumentParser(
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    return parser
+
+
+def add_only(parser, choices=None):
+    """`--only NAME ...`: measure these rows only."""
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=choices,
+        metavar="NAME",
+        help="measure these rows only"
+        + (f" (of {', '.join(choices)})" if choices else ""),
+    )
+
+
+def add_modelopt(parser, default):
+    """`--modelopt VENV` (ModelOpt's venv, `default` unless given) and
+    `--no-modelopt`; `modelopt_venv(args)` reads them."""
+    parser.add_argument(
+        "--modelopt",
+        default=default,
+        metavar="VENV",
+        help=f"ModelOpt's venv (default {default})",
+    )
+    parser.add_argument("--no-modelopt", action="store_true")
+
+
+def modelopt_versions(venv):
+    """The versions of ModelOpt and its stack in `venv`, or None."""
+    sys.path.insert(0, os.path.join(HERE, "peers"))
+    from modelopt_peer import VERSION_PROBE
+
+    python = os.path.join(venv, "bin", "python")
+    if not os.path.exists(python):
+        return None
+    probe = subprocess.run(
+        [python, "-c", VERSION_PROBE], capture_output=True, text=True
+    )
+    return probe.stdout.strip().rstrip(";") or None
+
+
+def modelopt_venv(args):
+    """(venv, what the results say of ModelOpt) from `add_modelopt`'s
+    options: (None, "not run (--no-modelopt)"), or the venv with its
+    versions, or with "not run: no ModelOpt environment at <venv>"."""
+    if args.no_modelopt:
+        return None, "not run (--no-modelopt)"
+    found = modelopt_versions(args.modelopt)
+    return args.modelopt, (
+        found or f"not run: no ModelOpt environment at {args.modelopt}"
+    )
+
+
+def verdicts_json(checks, key="measured"):
+    """`{goal: {"pass": ok, key: text}}` of `{goal: (ok, text)}`: a
+    benchmark's goals as its results store them."""
+    return {
+        goal: {"pass": ok, key: text} for goal, (ok, text) in checks.items()
+    }
 
 
 def versions():
@@ -41,13 +122,23 @@ def markdown_table(header, rows):
     return "\n".join(lines)
 
 
-def write_results(name, results, markdown):
-    """Writes results/<name>.json and results/<name>.md atomically
-    (`<name>_quick.*` for a `--quick` smoke run, so it never replaces the
-    measured figures)."""
+def write_results(name, results, markdown, quick=False):
+    """Writes results/<name>.json (`results` with the command line and the
+    versions) and results/<name>.md (the command line and versions, then
+    `markdown`) atomically, prints `markdown`, and after a full run
+    rebuilds docs/benchmarks.md (`render_docs.py`).
+
+    Args:
+        name: str. The benchmark's name (`"zoo"` for `bench_zoo.py`).
+        results: dict. JSON-ready.
+        markdown: str. The Markdown report.
+        quick: bool. A `--quick` smoke run: writes `<name>_quick.*`
+            instead, so it never replaces the measured figures, and leaves
+            the docs alone. Defaults to False.
+    """
     from keras_mp.io import atomic_write_text
 
-    if "--quick" in sys.argv:
+    if quick:
         name += "_quick"
 
     os.makedirs(RESULTS, exist_ok=True)
@@ -61,7 +152,7 @@ def write_results(name, results, markdown):
         os.path.join(RESULTS, f"{name}.md"), header + markdown + "\n"
     )
     print(markdown)
-    if not name.endswith("_quick"):
+    if not quick:
         from render_docs import render
 
         render()

@@ -63,6 +63,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+from _common import (  # noqa: E402
+    add_modelopt,
+    bench_parser,
+    markdown_table,
+    modelopt_venv,
+    verdicts_json,
+    write_results,
+)
 from _timing import paired_ratio  # noqa: E402
 from bench_quantization import interleaved_finetune  # noqa: E402
 from bench_sequence import _export, _ort_top1, top1  # noqa: E402
@@ -214,7 +222,7 @@ def int8_fallbacks(qmodel):
     """The layers of `qmodel` asked in FP8 that are quantized in another
     format, with the note of `quantization_report` (why TensorRT takes
     them in INT8)."""
-    rows = keras_mp.quantization_report(qmodel, verbose=False)
+    rows = keras_mp.quantization_report(qmodel, verbose=False).rows
     return [
         {"path": r["path"], "type": r["type"], "note": r["note"]}
         for r in rows
@@ -224,7 +232,7 @@ def int8_fallbacks(qmodel):
 
 def formats_by_layer(qmodel):
     """{format: number of quantized layers} from `quantization_report`."""
-    rows = keras_mp.quantization_report(qmodel, verbose=False)
+    rows = keras_mp.quantization_report(qmodel, verbose=False).rows
     return dict(
         collections.Counter(r.get("format") for r in rows if r["quantized"])
     )
@@ -543,8 +551,6 @@ def _fallback_text(rows):
 
 
 def _markdown(results):
-    from _common import markdown_table
-
     run = results["run"]
     s = run["setting"]
     intro = (
@@ -660,45 +666,27 @@ def _markdown(results):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help=f"smoke run: {QUICK['train_images']} training and "
+    parser = bench_parser(
+        __doc__,
+        f"smoke run: {QUICK['train_images']} training and "
         f"{QUICK['test_images']} test images, 1-2 epochs, one seed",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--seeds", type=int, default=None, help="FP8 QAT fine-tune seeds"
     )
-    parser.add_argument(
-        "--modelopt",
-        default=MODELOPT_VENV,
-        metavar="VENV",
-        help=f"ModelOpt's venv (default {MODELOPT_VENV})",
-    )
-    parser.add_argument("--no-modelopt", action="store_true")
+    add_modelopt(parser, MODELOPT_VENV)
     args = parser.parse_args()
-    from _common import write_results
-    from bench_zoo import _modelopt_versions
-
-    venv = None if args.no_modelopt else args.modelopt
-    modelopt = "not run (--no-modelopt)"
-    if venv:
-        found = _modelopt_versions(venv)
-        modelopt = found or f"not run: no ModelOpt environment at {venv}"
+    venv, modelopt = modelopt_venv(args)
     with tempfile.TemporaryDirectory() as folder:
         run = measure(folder, args.quick, args.seed, args.seeds, venv)
     results = {
         "run": run,
         "modelopt": modelopt,
         "goals": GOALS,
-        "verdicts": {
-            goal: {"pass": ok, "measured": text}
-            for goal, (ok, text) in verdicts(run).items()
-        },
+        "verdicts": verdicts_json(verdicts(run)),
     }
-    write_results("fp8", results, _markdown(results))
+    write_results("fp8", results, _markdown(results), quick=args.quick)
 
 
 if __name__ == "__main__":

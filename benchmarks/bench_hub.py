@@ -31,7 +31,6 @@ runs in this process, with `keras.backend.clear_session()` between rows.
         [--modelopt VENV | --no-modelopt] [--merge]
 """
 
-import argparse
 import json
 import os
 import sys
@@ -52,15 +51,18 @@ sys.path.insert(0, os.path.dirname(HERE))
 import hub_models  # noqa: E402
 from _common import (  # noqa: E402
     RESULTS,
+    add_modelopt,
+    add_only,
+    bench_parser,
     command_line,
     markdown_table,
+    modelopt_venv,
     write_results,
 )
 from bench_zoo import (  # noqa: E402
     COVERAGE_GOAL,
     MODELOPT_VENV,
     _first_line,
-    _modelopt_versions,
     measure_modelopt,
     placement,
     refresh_batchnorm,
@@ -537,11 +539,9 @@ def markdown(rows, totals, modelopt):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--only", nargs="+", metavar="NAME")
-    parser.add_argument("--modelopt", default=MODELOPT_VENV, metavar="VENV")
-    parser.add_argument("--no-modelopt", action="store_true")
+    parser = bench_parser(__doc__, "smoke run: " + ", ".join(QUICK))
+    add_only(parser)
+    add_modelopt(parser, MODELOPT_VENV)
     parser.add_argument(
         "--modelopt-only",
         action="store_true",
@@ -562,14 +562,9 @@ def main():
     if unknown:
         parser.error(f"unknown class(es) {unknown}; known: {known}")
     args.merge = args.merge or args.modelopt_only
-    venv = None if args.no_modelopt else args.modelopt
-    modelopt = "not run (--no-modelopt)"
-    if venv is not None:
-        if os.path.exists(os.path.join(venv, "bin", "python")):
-            modelopt = _modelopt_versions(venv)
-        else:
-            modelopt = f"not run: no ModelOpt environment at {venv}"
-            venv = None
+    venv, modelopt = modelopt_venv(args)
+    if modelopt.startswith("not run"):
+        venv = None  # no ModelOpt column for the rows
     rows = []
     with tempfile.TemporaryDirectory() as directory:
         for name in names:
@@ -588,8 +583,8 @@ def main():
             for f in os.listdir(directory):
                 os.remove(os.path.join(directory, f))
             # after every row: a long run leaves its results so far
-            _write(rows, modelopt, args.merge)
-    _write(rows, modelopt, args.merge)
+            _write(rows, modelopt, args.merge, args.quick)
+    _write(rows, modelopt, args.merge, args.quick)
 
 
 def _merged(last, rows):
@@ -612,10 +607,10 @@ def _merged(last, rows):
     return sorted(merged, key=lambda r: r["class"].lower())
 
 
-def _write(rows, modelopt, merge):
-    """Writes results/hub.*; with `merge`, the rows of the file as it is
-    now (another run may be writing it too) beside these, and the
-    commands that measured them."""
+def _write(rows, modelopt, merge, quick):
+    """Writes results/hub.* (`hub_quick.*` when `quick`); with `merge`,
+    the rows of the file as it is now (another run may be writing it too)
+    beside these, and the commands that measured them."""
     commands = [command_line()]
     path = os.path.join(RESULTS, "hub.json")
     if merge and os.path.exists(path):
@@ -644,8 +639,9 @@ def _write(rows, modelopt, merge):
             "commands": commands,
         },
         text,
+        quick=quick,
     )
-    if "--quick" not in sys.argv:
+    if not quick:
         render_doc(rows)
 
 

@@ -22,7 +22,6 @@ picks its calibration windows with Python's `hash`, so this script sets
     python benchmarks/bench_lm.py [--quick] [--retrain]
 """
 
-import argparse
 import hashlib
 import json
 import os
@@ -36,7 +35,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import lm_corpus  # noqa: E402
-from _common import markdown_table, write_results  # noqa: E402
+from _common import bench_parser, markdown_table, write_results  # noqa: E402
 from lm_blocks import (  # noqa: E402
     BLOCK_ROWS,
     PIPELINE_ROWS,
@@ -386,12 +385,11 @@ def run(quick=False, retrain=False):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true")
+    parser = bench_parser(__doc__)
     parser.add_argument("--retrain", action="store_true")
     args = parser.parse_args()
     results = run(args.quick, args.retrain)
-    write_results("lm", results, markdown(results))
+    write_results("lm", results, markdown(results), quick=args.quick)
 
 
 if __name__ == "__main__":

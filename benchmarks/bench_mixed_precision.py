@@ -8,7 +8,6 @@ math the ratio is a slowdown, reported as measured.
     python benchmarks/bench_mixed_precision.py [--quick]
 """
 
-import argparse
 import os
 import sys
 
@@ -17,7 +16,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
-from _common import markdown_table, median_step_time, write_results  # noqa: E402
+from _common import (  # noqa: E402
+    bench_parser,
+    markdown_table,
+    median_step_time,
+    write_results,
+)
 
 import keras_mp  # noqa: E402
 from keras_mp.reference import compile_classifier, reference_cnn  # noqa: E402
@@ -35,8 +39,7 @@ def build(policy, width):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--quick", action="store_true")
+    parser = bench_parser(__doc__, "smoke run: 1,024 images, 1 epoch")
     parser.add_argument("--train-images", type=int, default=12000)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--width", type=int, default=16)
@@ -113,7 +116,7 @@ def main():
         )
     )
     results["config"] = vars(args)
-    write_results("mixed_precision", results, md)
+    write_results("mixed_precision", results, md, quick=args.quick)
 
 
 if __name__ == "__main__":

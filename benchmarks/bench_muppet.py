@@ -26,22 +26,23 @@ Usage:
 writes its own part of the results, keeping the CNN's.
 """
 
-import argparse
 import json
 import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from _common import RESULTS, bench_parser  # noqa: E402
 
 from keras_mp.datasets import load_fashion_mnist  # noqa: E402
+from keras_mp.io import atomic_write_text  # noqa: E402
 from keras_mp.muppet import (  # noqa: E402
     GPU_THROUGHPUT,
     PrecisionSwitching,
@@ -50,8 +51,6 @@ from keras_mp.muppet import (  # noqa: E402
     plot_precision,
     set_word_length,
 )
-
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
 def cnn():
@@ -111,13 +110,6 @@ def compile_model(model, lr):
         metrics=["accuracy"],
     )
     return model
-
-
-def write_atomic(path, text):
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def epoch_batches(x, y, samples, epochs, seed):
@@ -333,8 +325,7 @@ def markdown(report):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smoke run")
+    parser = bench_parser(__doc__)
     parser.add_argument(
         "--model",
         choices=("cnn", *APPLICATIONS),
@@ -404,8 +395,8 @@ def main(argv=None):
         report = {**sub, "applications": report.get("applications", {})}
     else:
         report.setdefault("applications", {})[args.model] = sub
-    write_atomic(path, json.dumps(report, indent=2, default=float))
-    write_atomic(os.path.join(args.out, "muppet.md"), markdown(report))
+    atomic_write_text(path, json.dumps(report, indent=2, default=float))
+    atomic_write_text(os.path.join(args.out, "muppet.md"), markdown(report))
     print(markdown(report))
 
 

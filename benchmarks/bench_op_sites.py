@@ -13,7 +13,6 @@ small-GEMM rule keeps float (K or N below 16) are counted apart.
     python benchmarks/bench_op_sites.py [--quick]
 """
 
-import argparse
 import os
 import sys
 import tempfile
@@ -23,7 +22,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import markdown_table, write_results  # noqa: E402
+from _common import bench_parser, markdown_table, write_results  # noqa: E402
 from _timing import interleaved_fit, paired_ratio  # noqa: E402
 from bench_zoo import placement  # noqa: E402
 from op_site_models import (  # noqa: E402
@@ -153,8 +152,7 @@ def markdown(rows):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true")
+    parser = bench_parser(__doc__, "smoke run: 8 QAT steps instead of 64")
     args = parser.parse_args()
     steps = 8 if args.quick else 64
     rows = []
@@ -162,7 +160,7 @@ def main():
         with tempfile.TemporaryDirectory() as directory:
             rows.append(measure(name, make, directory, steps))
             print(rows[-1], flush=True)
-    write_results("op_sites", {"rows": rows}, markdown(rows))
+    write_results("op_sites", {"rows": rows}, markdown(rows), quick=args.quick)
 
 
 if __name__ == "__main__":

@@ -43,7 +43,6 @@ The full run writes `benchmarks/results/peers.{json,md,png}`; `--quick`
 results into the work folder only, so it never replaces the full run's.
 """
 
-import argparse
 import json
 import os
 import subprocess
@@ -58,7 +57,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, PEERS)
 
 import render  # noqa: E402
-from _common import RESULTS, command_line, versions  # noqa: E402
+from _common import RESULTS, bench_parser, command_line, versions  # noqa: E402
 from _peer_common import mean_and_sd, positive_int  # noqa: E402
 
 DOCS_PAGE = os.path.join(os.path.dirname(HERE), "docs", "benchmarks.md")
@@ -164,11 +163,9 @@ def read(workdir, name):
 
 
 def main():
-    p = argparse.ArgumentParser(
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = bench_parser(
+        __doc__, "a small subset, its results in the work folder only"
     )
-    p.add_argument("--quick", action="store_true")
     p.add_argument("--setup", action="store_true")
     p.add_argument(
         "--render",

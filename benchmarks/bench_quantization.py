@@ -45,7 +45,6 @@ point; QAT step-time ratio <= 1.15; ONNX parity (issue 4) top-1 agreement
     python benchmarks/bench_quantization.py [--quick]
 """
 
-import argparse
 import os
 import sys
 import time
@@ -57,6 +56,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 from _common import (  # noqa: E402
     RESULTS,
+    bench_parser,
     markdown_table,
     median_step_time,
     write_results,
@@ -89,8 +89,7 @@ def finetune_optimizer(args, steps):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--quick", action="store_true")
+    parser = bench_parser(__doc__)
     parser.add_argument("--train-images", type=int, default=60000)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--finetune-epochs", type=int, default=None)
@@ -407,7 +406,7 @@ def main():
         "timings": timings,
     }
     md = _markdown(args, results, len(x), steps)
-    write_results("quantization", results, md)
+    write_results("quantization", results, md, quick=args.quick)
 
 
 def interleaved_finetune(control, qat, xf, yf, args, steps):

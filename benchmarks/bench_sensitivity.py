@@ -36,7 +36,6 @@ Tensor Cores are not quantized.
         [--max-drop 0.005] [--modelopt VENV] [--merge]
 """
 
-import argparse
 import json
 import os
 import subprocess
@@ -50,6 +49,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+from _common import (  # noqa: E402
+    bench_parser,
+    command_line,
+    markdown_table,
+    write_results,
+)
 from bench_trained_parity import MODELS as APPLICATIONS  # noqa: E402
 from bench_trained_parity import build, load_data, train  # noqa: E402
 
@@ -311,8 +316,6 @@ def _verdict(ok):
 
 
 def _tables(results, max_drop):
-    from _common import markdown_table
-
     trained = markdown_table(
         [
             "model",
@@ -413,8 +416,6 @@ def _tables(results, max_drop):
 
 
 def _modelopt_table(results):
-    from _common import markdown_table
-
     """ModelOpt AutoQuantize's rows, for the models it ran on."""
     rows = []
     for r in results:
@@ -524,11 +525,9 @@ def _commands(results):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help=f"smoke run: {QUICK['train_images']} training images, one "
+    parser = bench_parser(
+        __doc__,
+        f"smoke run: {QUICK['train_images']} training images, one "
         f"epoch, {QUICK['test_images']} test images",
     )
     parser.add_argument("--models", nargs="+", choices=MODELS)
@@ -555,8 +554,6 @@ def main():
         help="keep the other models' rows of the existing results",
     )
     args = parser.parse_args()
-    from _common import command_line, write_results
-
     costs = ("latency",) if args.no_bits else ("latency", "bits")
     results = []
     if args.merge and not args.models:
@@ -595,6 +592,7 @@ def main():
                 "models": results,
             },
             markdown,
+            quick=args.quick,
         )
 
 

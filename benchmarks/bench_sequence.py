@@ -36,7 +36,6 @@ and PTQ) and the float32 exports.
     python benchmarks/bench_sequence.py [--quick] [--models lstm gru bilstm]
 """
 
-import argparse
 import os
 import sys
 import tempfile
@@ -47,6 +46,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+from _common import (  # noqa: E402
+    bench_parser,
+    markdown_table,
+    verdicts_json,
+    write_results,
+)
 from _timing import interleaved_fit, paired_ratio  # noqa: E402
 
 import keras_mp  # noqa: E402
@@ -177,7 +182,7 @@ def _export(model, path, xt, yt):
 def _float_layers(qmodel):
     """`quantization_report` rows that run in float and hold weights
     (the recurrent layers): path, type, note."""
-    rows = keras_mp.quantization_report(qmodel, verbose=False)
+    rows = keras_mp.quantization_report(qmodel, verbose=False).rows
     quantized = [r["path"] for r in rows if r["quantized"]]
     recurrent = [
         {"path": r["path"], "type": r["type"], "note": r["note"]}
@@ -331,8 +336,6 @@ def verdicts(run):
 
 
 def _markdown(results):
-    from _common import markdown_table
-
     runs = results["models"]
     first = next(iter(runs.values()))["setting"]
     intro = (
@@ -454,11 +457,9 @@ def _markdown(results):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help=f"smoke run: {QUICK['train_images']} training and "
+    parser = bench_parser(
+        __doc__,
+        f"smoke run: {QUICK['train_images']} training and "
         f"{QUICK['test_images']} test images, {QUICK['epochs']} epoch, "
         f"{QUICK['seeds']} seed",
     )
@@ -468,8 +469,6 @@ def main():
         "--seeds", type=int, default=None, help="fine-tune seeds"
     )
     args = parser.parse_args()
-    from _common import write_results
-
     results = {"models": {}, "goals": GOALS}
     with tempfile.TemporaryDirectory() as folder:
         for kind in args.models:
@@ -477,13 +476,10 @@ def main():
                 kind, folder, args.quick, args.seed, args.seeds
             )
     results["verdicts"] = {
-        kind: {
-            goal: {"pass": ok, "measured": text}
-            for goal, (ok, text) in verdicts(run).items()
-        }
+        kind: verdicts_json(verdicts(run))
         for kind, run in results["models"].items()
     }
-    write_results("sequence", results, _markdown(results))
+    write_results("sequence", results, _markdown(results), quick=args.quick)
 
 
 if __name__ == "__main__":

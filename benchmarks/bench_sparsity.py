@@ -35,7 +35,6 @@ from the same weights:
     python benchmarks/bench_sparsity.py [--quick]
 """
 
-import argparse
 import os
 import sys
 import time
@@ -45,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
-from _common import markdown_table, write_results  # noqa: E402
+from _common import bench_parser, markdown_table, write_results  # noqa: E402
 from _timing import interleaved_fit, paired_ratio  # noqa: E402
 
 import keras_mp  # noqa: E402
@@ -140,8 +139,7 @@ def permutation_results(dense, width, xt, yt, skip_unaligned):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="smoke run")
+    parser = bench_parser(__doc__)
     parser.add_argument("--train-images", type=int, default=60000)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--width", type=int, default=32)
@@ -437,7 +435,7 @@ def main():
             layer_rows,
         )
     )
-    write_results("sparsity", results, md)
+    write_results("sparsity", results, md, quick=args.quick)
 
 
 if __name__ == "__main__":

@@ -44,7 +44,6 @@ judged here on networks trained on real data (issue 15, item 5):
         [--onnx-dir DIR]
 """
 
-import argparse
 import dataclasses
 import os
 import subprocess
@@ -53,9 +52,16 @@ import tempfile
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+from _common import (  # noqa: E402
+    add_only,
+    bench_parser,
+    markdown_table,
+    write_results,
+)
 
 import keras_mp  # noqa: E402
 from keras_mp.datasets import shuffled_batches  # noqa: E402
@@ -380,8 +386,6 @@ def _note(row):
 
 
 def _tables(infos, rows):
-    from _common import markdown_table
-
     trained = markdown_table(
         [
             "model",
@@ -450,23 +454,18 @@ def _tables(infos, rows):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help=f"smoke run: {QUICK['train_images']} training images, one "
+    parser = bench_parser(
+        __doc__,
+        f"smoke run: {QUICK['train_images']} training images, one "
         f"epoch, {QUICK['test_images']} test images",
     )
-    parser.add_argument("--only", nargs="+", choices=sorted(MODELS))
+    add_only(parser, sorted(MODELS))
     parser.add_argument(
         "--onnx-dir",
         help="keep the .onnx files here (for `keras-mp compare`); "
         "default: a temporary folder",
     )
     args = parser.parse_args()
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from _common import write_results
-
     infos, rows = [], []
     with tempfile.TemporaryDirectory() as scratch:
         directory = args.onnx_dir or scratch
@@ -508,6 +507,7 @@ def main():
         "trained_parity",
         {"summary": summary, "goals": GOALS, "models": infos, "rows": rows},
         markdown,
+        quick=args.quick,
     )
 
 

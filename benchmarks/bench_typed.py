@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import onnx  # noqa: E402
-from _common import markdown_table, write_results  # noqa: E402
+from _common import bench_parser, markdown_table, write_results  # noqa: E402
 from bench_trained_parity import Spec, build, load_data, train  # noqa: E402
 from bench_zoo import (  # noqa: E402
     HUB,
@@ -136,7 +136,7 @@ def _row(name, build, data, folder):
             )
         typed = keras_mp.typed_graph(path)
         entry = {
-            "float32_nodes": len(typed.float32_nodes),
+            "float32_nodes": len(typed.rows),
             "by_reason": {k: len(v) for k, v in typed.by_reason().items()},
             "casts": typed.casts,
         }
@@ -164,8 +164,9 @@ def _fmt(entry):
 
 
 def main():
+    args = bench_parser(__doc__, "smoke run: the ViT row only").parse_args()
     rows = dict(ROWS)
-    if "--quick" in sys.argv:
+    if args.quick:
         rows = {"ViT": ROWS["ViT"]}
     else:
         trained = _TrainedMobileNetV2()
@@ -202,7 +203,7 @@ def main():
         )
         + _notes(results)
     )
-    write_results("typed", results, markdown)
+    write_results("typed", results, markdown, quick=args.quick)
 
 
 def _notes(results):

@@ -28,15 +28,21 @@ float32 control given the same extra epoch, ONNX parity and coverage
     python benchmarks/bench_vit.py [--quick] [--seeds N]
 """
 
-import argparse
 import os
 import sys
 import tempfile
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import keras  # noqa: E402
+from _common import (  # noqa: E402
+    bench_parser,
+    markdown_table,
+    verdicts_json,
+    write_results,
+)
 
 from keras_mp import datasets  # noqa: E402
 from keras_mp.cli import demo_vit  # noqa: E402
@@ -139,8 +145,6 @@ def verdicts(run):
 
 
 def _markdown(runs):
-    from _common import markdown_table
-
     first = runs[0]
     intro = (
         f"A keras-hub `ViTBackbone` (patch 7 on 28x28: 16 patches and a "
@@ -204,11 +208,9 @@ def _markdown(runs):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help=f"smoke run: {QUICK['train_images']} training and "
+    parser = bench_parser(
+        __doc__,
+        f"smoke run: {QUICK['train_images']} training and "
         f"{QUICK['test_images']} test images, {QUICK['epochs']} epoch",
     )
     parser.add_argument("--seeds", type=int, default=2, help="runs (seeds)")
@@ -220,9 +222,6 @@ def main():
             "Fashion-MNIST is not installed: `apt-get install "
             "dataset-fashion-mnist`."
         )
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from _common import write_results
-
     runs = []
     with tempfile.TemporaryDirectory() as directory:
         for seed in range(args.seeds):
@@ -231,12 +230,9 @@ def main():
     results = {
         "goals": GOALS,
         "runs": runs,
-        "verdicts": [
-            {name: {"pass": ok, "figures": text} for name, (ok, text) in v}
-            for v in (verdicts(run).items() for run in runs)
-        ],
+        "verdicts": [verdicts_json(verdicts(run), "figures") for run in runs],
     }
-    write_results("vit", results, _markdown(runs))
+    write_results("vit", results, _markdown(runs), quick=args.quick)
 
 
 if __name__ == "__main__":

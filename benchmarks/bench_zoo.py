@@ -46,7 +46,6 @@ subset in `make test`, the whole zoo marked slow.
         [--modelopt [VENV]] [--modelopt-only] [--merge]
 """
 
-import argparse
 import os
 import sys
 import tempfile
@@ -63,6 +62,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import hub_models  # noqa: E402
+from _common import (  # noqa: E402
+    RESULTS,
+    add_only,
+    bench_parser,
+    markdown_table,
+    modelopt_versions,
+    write_results,
+)
 
 # Where `bench_peers.py --setup` builds ModelOpt's environment.
 MODELOPT_VENV = os.path.join(HERE, ".venv-modelopt")
@@ -665,8 +672,6 @@ def _fmt(value, spec):
 
 
 def _table(rows):
-    from _common import markdown_table
-
     header = [
         "model",
         "source",
@@ -728,22 +733,6 @@ def _table(rows):
     return markdown_table(header, body)
 
 
-def _modelopt_versions(venv):
-    """The versions of ModelOpt and its stack in `venv`, or None."""
-    import subprocess
-
-    sys.path.insert(0, os.path.join(HERE, "peers"))
-    from modelopt_peer import VERSION_PROBE
-
-    python = os.path.join(venv, "bin", "python")
-    if not os.path.exists(python):
-        return None
-    probe = subprocess.run(
-        [python, "-c", VERSION_PROBE], capture_output=True, text=True
-    )
-    return probe.stdout.strip().rstrip(";") or None
-
-
 def _placement_summary(rows):
     """The coverage and economy goals over `rows`, in one paragraph."""
     measured = [r for r in rows if r.get("weighted_ops")]
@@ -796,8 +785,6 @@ def _left_float(names):
 
 
 def _placement_table(rows):
-    from _common import markdown_table
-
     header = [
         "model",
         "Q/DQ nodes: keras_mp / ModelOpt",
@@ -839,9 +826,8 @@ def _placement_table(rows):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fast subset")
-    parser.add_argument("--only", nargs="+", choices=sorted(ZOO))
+    parser = bench_parser(__doc__, "the fast subset: " + ", ".join(QUICK))
+    add_only(parser, sorted(ZOO))
     parser.add_argument(
         "--modelopt",
         nargs="?",
@@ -863,9 +849,6 @@ def main():
         "replacing it",
     )
     args = parser.parse_args()
-    sys.path.insert(0, HERE)
-    from _common import RESULTS, write_results
-
     if args.modelopt_only and args.modelopt is None:
         args.modelopt = MODELOPT_VENV
     names = args.only or (QUICK if args.quick else list(ZOO))
@@ -892,7 +875,7 @@ def main():
                 flush=True,
             )
             keras.backend.clear_session()
-    tools = _modelopt_versions(args.modelopt) if args.modelopt else None
+    tools = modelopt_versions(args.modelopt) if args.modelopt else None
     runs = []
     if args.modelopt_only or args.merge:
         import json
@@ -956,6 +939,7 @@ def main():
             "modelopt_versions": tools,
         },
         markdown,
+        quick=args.quick,
     )
 
 

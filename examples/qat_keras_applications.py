@@ -136,7 +136,7 @@ def main(argv=None):
     )
 
     qmodel = keras_mp.quantize_model(model)
-    rows = keras_mp.quantization_report(qmodel, verbose=False)
+    rows = keras_mp.quantization_report(qmodel, verbose=False).rows
     quantized = [r for r in rows if r["quantized"]]
     kinds = sorted({r["type"] for r in quantized})
     print(

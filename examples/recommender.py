@@ -289,7 +289,7 @@ def train_session_model(args, output, quick):
     rates["int8_ptq"] = hit_rates(int8, test_history, test_target)
     for name, (top1, top10) in rates.items():
         print(f"  {name} test hit rate: top-1 {top1:.1%}, top-10 {top10:.1%}")
-    for row in keras_mp.quantization_report(int8, verbose=False):
+    for row in keras_mp.quantization_report(int8, verbose=False).rows:
         if row["quantized"] or row["note"].startswith("recurrent"):
             state = "INT8" if row["quantized"] else row["note"]
             print(f"  {row['path']}: {state}")

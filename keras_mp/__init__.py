@@ -24,6 +24,7 @@ _check_versions()
 from keras_mp import datasets, legacy
 from keras_mp._record import RecordedModel
 from keras_mp.mixed_precision import (
+    AuditReport,
     LossScaleMonitor,
     LossScaleOptimizer,
     apply_mixed_precision,
@@ -39,10 +40,13 @@ from keras_mp.muppet import (
     plot_precision,
 )
 from keras_mp.onnx import (
+    CompareReport,
     ExportError,
     Finding,
     LintReport,
     ParityError,
+    ParityReport,
+    TypedGraph,
     check_tensorrt,
     compare_onnx,
     export_onnx,
@@ -58,6 +62,7 @@ from keras_mp.precision import (
     layer_sensitivity,
 )
 from keras_mp.quantization import (
+    QuantizationReport,
     QuantizeActivation,
     QuantizeConfig,
     calibrate,
@@ -72,6 +77,7 @@ from keras_mp.quantization import (
     upgrade,
 )
 from keras_mp.sparsity import (
+    SparsityReport,
     StructuredSparsity,
     is_2_4_sparse,
     permute_for_sparsity,
@@ -88,6 +94,7 @@ from keras_mp.sparsity import (
 # `keras_mp.legacy` the classes only old files need.
 __all__ = [
     # mixed precision
+    "AuditReport",
     "LossScaleMonitor",
     "LossScaleOptimizer",
     "apply_mixed_precision",
@@ -96,6 +103,7 @@ __all__ = [
     "mixed_precision_audit",
     "set_tf32",
     # quantization
+    "QuantizationReport",
     "QuantizeActivation",
     "QuantizeConfig",
     "RecordedModel",
@@ -110,6 +118,7 @@ __all__ = [
     "strip_quantization",
     "upgrade",
     # sparsity
+    "SparsityReport",
     "StructuredSparsity",
     "is_2_4_sparse",
     "permute_for_sparsity",
@@ -123,10 +132,13 @@ __all__ = [
     "fixed_point_model",
     "plot_precision",
     # export and checks
+    "CompareReport",
     "ExportError",
     "Finding",
     "LintReport",
     "ParityError",
+    "ParityReport",
+    "TypedGraph",
     "check_tensorrt",
     "compare_onnx",
     "export_onnx",

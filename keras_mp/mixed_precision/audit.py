@@ -3,6 +3,7 @@ Guide: `docs/mixed-precision.md`.
 """
 
 import dataclasses
+import warnings
 
 import keras
 
@@ -24,31 +25,64 @@ class LayerAudit:
 
 @dataclasses.dataclass
 class AuditReport:
-    """Per-layer dtypes and Tensor Core alignment findings."""
+    """Per-layer dtypes and Tensor Core alignment findings.
 
-    layers: list
+    Attributes:
+        rows: list of `LayerAudit`, one per layer at any depth, in the
+            model's order.
+        batch_size: int or None. The batch size checked, when given.
+        batch_finding: str. Its finding ("" when aligned or not given).
+
+    Example:
+
+    >>> report = keras_mp.mixed_precision_audit(model, verbose=False)
+    >>> print(report)  # one line per layer, then the summary
+    >>> [r.name for r in report.rows if r.findings]
+    """
+
+    rows: list
     batch_size: int = None
     batch_finding: str = ""
 
     @property
+    def layers(self):
+        """Deprecated: `report.rows`."""
+        warnings.warn(
+            "AuditReport.layers is deprecated: use `report.rows`. It will "
+            "be removed in the next release.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.rows
+
+    @property
     def findings(self):
-        out = [f"{r.name}: {f}" for r in self.layers for f in r.findings]
+        out = [f"{r.name}: {f}" for r in self.rows for f in r.findings]
         return out + ([self.batch_finding] if self.batch_finding else [])
 
     @property
     def summary(self):
         half = sum(
-            r.compute_dtype in ("float16", "bfloat16") for r in self.layers
+            r.compute_dtype in ("float16", "bfloat16") for r in self.rows
         )
         return (
-            f"{len(self.layers)} layers: {half} compute in 16-bit, "
-            f"{len(self.layers) - half} in float32; "
+            f"{len(self.rows)} layers: {half} compute in 16-bit, "
+            f"{len(self.rows) - half} in float32; "
             f"{len(self.findings)} Tensor Core alignment finding(s)."
+        )
+
+    def to_dict(self):
+        """The report as plain Python (JSON-ready), with its `findings`
+        and `summary`."""
+        return dict(
+            dataclasses.asdict(self),
+            findings=self.findings,
+            summary=self.summary,
         )
 
     def to_table(self):
         rows = [("layer", "type", "compute", "variables", "alignment")]
-        for r in self.layers:
+        for r in self.rows:
             rows.append(
                 (
                     r.name,
@@ -106,7 +140,8 @@ def mixed_precision_audit(model, batch_size=None, verbose=True):
         verbose: bool. Print the table and summary. Defaults to True.
 
     Returns:
-        `AuditReport` with `.layers`, `.findings`, `.summary`, `.to_table()`.
+        `AuditReport` with `.rows`, `.findings`, `.summary`, `.to_dict()`;
+        `print(report)` shows the table.
 
     Example:
 

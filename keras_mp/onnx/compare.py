@@ -39,6 +39,12 @@ class CompareReport:
         runtime: str. What ran the graph: `"ONNX Runtime"`, or
             `"onnx.reference"` for NVFP4/MXFP8 weights, which ONNX
             Runtime cannot dequantize (`parity.reference_only`).
+
+    Example:
+
+    >>> report = keras_mp.compare_onnx(qmodel, "model.onnx", x_test[:64])
+    >>> print(report)  # the verdict, then one line per layer
+    >>> report.first_divergence
     """
 
     samples: int
@@ -53,6 +59,10 @@ class CompareReport:
     def first_divergence(self):
         """The first `LayerError` past the tolerance, or None."""
         return next((r for r in self.rows if r.diverged), None)
+
+    def to_dict(self):
+        """The report as plain Python (JSON-ready)."""
+        return dataclasses.asdict(self)
 
     def to_markdown(self):
         lines = [
@@ -202,8 +212,8 @@ def compare_onnx(
     ONNX Runtime cannot run its Q/DQ.
 
     Returns:
-        `CompareReport` (`.rows`, `.first_divergence`, `.to_markdown()`,
-        `.plot(path)`).
+        `CompareReport` (`.rows`, `.first_divergence`, `.to_dict()`,
+        `.to_markdown()`, `.plot(path)`).
 
     Raises:
         TypeError: not a Sequential or Functional Keras model.

@@ -10,6 +10,7 @@ and compares the rules with NVIDIA ModelOpt's AutoCast.
 
 import dataclasses
 import json
+import warnings
 
 import numpy as np
 
@@ -78,8 +79,23 @@ class TypedGraph:
     """What a strongly typed export wrote: its 16-bit type, the float32
     nodes with their reasons, and the Casts at island boundaries.
 
+    Attributes:
+        dtype: str. The graph's 16-bit type: `"float16"` or `"bfloat16"`.
+        nodes: int. Nodes in the typed graph.
+        casts: int. Casts the typed pass added.
+        max_magnitude: float. The magnitude threshold.
+        measured_samples: int. Inputs the magnitudes were measured on (0:
+            not measured).
+        rows: list of `Float32Node`, one per node kept float32.
+
     `print(typed)` gives a summary and one line per float32 node;
     `typed.by_reason()` groups them.
+
+    Example:
+
+    >>> typed = keras_mp.typed_graph("model_fp16.onnx")
+    >>> print(typed)
+    >>> [(r.node, r.reason) for r in typed.rows]
     """
 
     dtype: str
@@ -87,12 +103,23 @@ class TypedGraph:
     casts: int
     max_magnitude: float
     measured_samples: int
-    float32_nodes: list = dataclasses.field(default_factory=list)
+    rows: list = dataclasses.field(default_factory=list)
+
+    @property
+    def float32_nodes(self):
+        """Deprecated: `typed.rows`."""
+        warnings.warn(
+            "TypedGraph.float32_nodes is deprecated: use `typed.rows`. It "
+            "will be removed in the next release.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.rows
 
     def by_reason(self):
         """`{reason: [Float32Node, ...]}` in `REASONS` order."""
         groups = {reason: [] for reason in REASONS}
-        for entry in self.float32_nodes:
+        for entry in self.rows:
             groups[entry.reason].append(entry)
         return {k: v for k, v in groups.items() if v}
 
@@ -105,19 +132,26 @@ class TypedGraph:
             else "magnitudes not measured (no verify_data)"
         )
         lines = [
-            f"{self.dtype} graph: {len(self.float32_nodes)} of {self.nodes} "
+            f"{self.dtype} graph: {len(self.rows)} of {self.nodes} "
             f"nodes kept float32 ({counts or 'none'}), {self.casts} Casts; "
             f"{measured}"
         ]
         lines += [
             f"  {e.node} ({e.op_type}): {e.reason}, {e.detail}"
-            for e in self.float32_nodes
+            for e in self.rows
         ]
         return "\n".join(lines)
 
+    def to_dict(self):
+        """The report as plain Python (JSON-ready)."""
+        return dataclasses.asdict(self)
+
     def to_metadata(self):
-        """The float32 nodes as the JSON stored in the ONNX file."""
-        return json.dumps(dataclasses.asdict(self))
+        """The float32 nodes as the JSON stored in the ONNX file (its key
+        for the rows: `float32_nodes`, as files have always had it)."""
+        data = self.to_dict()
+        data["float32_nodes"] = data.pop("rows")
+        return json.dumps(data)
 
 
 def typed_graph(onnx_model):
@@ -142,8 +176,8 @@ def typed_graph(onnx_model):
     if stored is None:
         return None
     data = json.loads(stored)
-    data["float32_nodes"] = [Float32Node(**e) for e in data["float32_nodes"]]
-    return TypedGraph(**data)
+    rows = [Float32Node(**e) for e in data.pop("float32_nodes")]
+    return TypedGraph(**data, rows=rows)
 
 
 def _policy_layers(model):

@@ -5,6 +5,7 @@ import contextlib
 import dataclasses
 import os
 import re
+import warnings
 
 import numpy as np
 
@@ -26,10 +27,17 @@ NEAR_TIE_ROUNDOFFS = 64
 class ParityReport:
     """Keras vs ONNX Runtime on the same inputs.
 
-    The figures are the worst over the model's outputs; `outputs` holds
-    one `OutputParity` per output (by Keras output name) when it has
-    several. `typed` is the `TypedGraph` of a strongly typed export
-    (`export_onnx(dtype=...)`): which nodes stayed float32, and why.
+    The figures are the worst over the model's outputs; `rows` holds one
+    `OutputParity` per output (by Keras output name), which `print(report)`
+    lists when there are several. `typed` is the `TypedGraph` of a
+    strongly typed export (`export_onnx(dtype=...)`): which nodes stayed
+    float32, and why.
+
+    Example:
+
+    >>> report = keras_mp.verify_onnx(model, "model.onnx", x_test[:512])
+    >>> print(report)
+    >>> [(r.name, r.rel_l2) for r in report.rows]
     """
 
     samples: int
@@ -39,12 +47,27 @@ class ParityReport:
     rel_l2: float
     optimized_top1_agreement: float = None
     optimized_rel_l2: float = None
-    outputs: list = dataclasses.field(default_factory=list)
+    rows: list = dataclasses.field(default_factory=list)
     note: str = ""
     typed: object = None
     near_ties: int = 0
     dtype: str = "float32"
     runtime: str = "ONNX Runtime"
+
+    @property
+    def outputs(self):
+        """Deprecated: `report.rows`."""
+        warnings.warn(
+            "ParityReport.outputs is deprecated: use `report.rows`. It will "
+            "be removed in the next release.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.rows
+
+    def to_dict(self):
+        """The report as plain Python (JSON-ready)."""
+        return dataclasses.asdict(self)
 
     def __str__(self):
         ties = (
@@ -68,12 +91,12 @@ class ParityReport:
             )
         if self.note:
             text += f" ({self.note})"
-        if len(self.outputs) > 1:
+        if len(self.rows) > 1:
             text += "".join(
                 f"\n  output {r.name!r}: top-1 agreement "
                 f"{100 * r.top1_agreement:.2f}%, relative L2 {r.rel_l2:.2e}, "
                 f"max |diff| {r.max_abs_diff:.3g}"
-                for r in self.outputs
+                for r in self.rows
             )
         if self.typed is not None:
             text += f"\n{self.typed}"
@@ -517,7 +540,7 @@ def check_parity(
         max(r.rel_l2 for r in rows),
         min(r.top1_agreement for r in optimized) if optimized else None,
         max(r.rel_l2 for r in optimized) if optimized else None,
-        outputs=rows,
+        rows=rows,
         note=note,
         near_ties=sum(r.near_ties for r in rows),
         dtype=dtype,

@@ -53,6 +53,16 @@ class LintReport:
         """True when nothing stops TensorRT from building the graph."""
         return not self.violations
 
+    @property
+    def rows(self):
+        """Every `Finding`: the violations, then the warnings (each says
+        which by its `severity`)."""
+        return self.violations + self.warnings
+
+    def to_dict(self):
+        """The report as plain Python (JSON-ready), with `ok`."""
+        return dict(dataclasses.asdict(self), ok=self.ok)
+
     def to_markdown(self):
         """The report as Markdown: verdict, counts, then one line a finding."""
         verdict = "PASS" if self.ok else "FAIL"

@@ -21,7 +21,10 @@ from keras_mp.quantization.legacy import QuantizeAnnotate, QuantizeWrapper
 from keras_mp.quantization.model import QuantizedModel
 from keras_mp.quantization.quantizer import TensorQuantizer
 from keras_mp.quantization.recipe import register_twin
-from keras_mp.quantization.report import quantization_report
+from keras_mp.quantization.report import (
+    QuantizationReport,
+    quantization_report,
+)
 from keras_mp.quantization.strip import strip_quantization
 from keras_mp.quantization.twins import (
     QuantizedLayer,

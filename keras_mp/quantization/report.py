@@ -1,5 +1,8 @@
 """`quantization_report`: what is quantized in a model, with which ranges."""
 
+import dataclasses
+import warnings
+
 import keras
 import numpy as np
 
@@ -126,6 +129,105 @@ def _float_note(layer):
     return "not selected, or skipped by QuantizeConfig"
 
 
+def _cells(row):
+    """(flag, path, type, format, input ranges, weight ranges, note) of a
+    report row, as the table prints them."""
+    ins = ", ".join(f"in{i}={a:.4g}" for i, a in row["inputs"].items())
+    ws = ", ".join(
+        f"{k}=[{lo:.3g}..{hi:.3g}]" for k, (lo, hi) in row["weights"].items()
+    )
+    flag = "Q" if row["quantized"] else "-"
+    fmt = row.get("format", "")
+    if row.get("block_size"):
+        fmt += f"/{row['block_size']}"  # values per block along K
+    return flag, row["path"], row["type"], fmt, ins, ws, row["note"]
+
+
+@dataclasses.dataclass
+class QuantizationReport:
+    """What `quantization_report` found: one row per layer.
+
+    `print(report)` shows one line per layer (`Q` for a quantized one,
+    `-` for one that runs in float, and why), `report.to_markdown()` the
+    same as a Markdown table, `report.to_dict()` the rows as plain Python.
+
+    Attributes:
+        rows: list of dict, one per layer in the model's order (the layers
+            inside a nested model or custom layer after it): `layer` (its
+            name), `path` (the names from the model down to it), `type`,
+            `quantized` (bool), `inputs` (activation ranges by input
+            index, or by name: `pointwise_input`, `input_query`,
+            `attention_probs`, ...), `weights` (per-channel range min/max
+            by weight), `format` (a quantized layer's number format:
+            `"int8"`, `"fp8"`, `"int4"`, ...), `block_size` (values per
+            block of a block-scaled weight, else None), `note`.
+
+    Until the next release the report also reads as the list of rows it
+    replaces (`for row in report`, `report[0]`, `len(report)`), with a
+    `DeprecationWarning` naming `report.rows`.
+
+    Example:
+
+    >>> report = keras_mp.quantization_report(qmodel, verbose=False)
+    >>> [r["path"] for r in report.rows if r["quantized"]]
+    >>> print(report.to_markdown())
+    """
+
+    rows: list
+
+    def to_dict(self):
+        """The report as plain Python (JSON-ready): `{"rows": [...]}`, a
+        weight's range as a `[min, max]` list."""
+        return {
+            "rows": [
+                dict(
+                    r,
+                    inputs=dict(r["inputs"]),
+                    weights={k: list(v) for k, v in r["weights"].items()},
+                )
+                for r in self.rows
+            ]
+        }
+
+    def to_markdown(self):
+        """The report as a Markdown table, one line per layer."""
+        lines = [
+            "| | layer | type | format | input ranges | weight ranges | note |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        lines += [
+            "| " + " | ".join(c.replace("|", "\\|") for c in _cells(r)) + " |"
+            for r in self.rows
+        ]
+        return "\n".join(lines)
+
+    def __str__(self):
+        return "\n".join(
+            f"{flag} {path:<24} {kind:<22} {fmt:<8} {ins} {ws} {note}"
+            for flag, path, kind, fmt, ins, ws, note in map(_cells, self.rows)
+        )
+
+    # The list `quantization_report` returned before, for one release.
+    def _rows_as_list(self):
+        warnings.warn(
+            "quantization_report returns a QuantizationReport: read its "
+            "list of rows as `report.rows`. Iterating, indexing or len() "
+            "of the report itself will stop working in the next release.",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        return self.rows
+
+    def __iter__(self):
+        return iter(self._rows_as_list())
+
+    def __getitem__(self, index):
+        return self._rows_as_list()[index]
+
+    def __len__(self):
+        return len(self._rows_as_list())
+
+
 def quantization_report(model, verbose=True):
     """Per layer: what is quantized, with which ranges, what is skipped, why.
 
@@ -135,21 +237,17 @@ def quantization_report(model, verbose=True):
         verbose: bool. Print the table. Defaults to True.
 
     Returns:
-        A list of dicts: `layer` (its name), `path` (the names from the
-        model down to it), `type`, `quantized` (bool), `inputs` (activation
-        ranges by input index, or by name: `pointwise_input`,
-        `input_query`, `attention_probs`, ...), `weights` (per-channel
-        range min/max by weight), `format` (a quantized layer's number
-        format: `"int8"`, `"fp8"`, `"int4"`, ...), `block_size` (values
-        per block of a block-scaled weight, else None), `note`.
+        A `QuantizationReport`: `report.rows` holds one dict per layer
+        (`layer`, `path`, `type`, `quantized`, `inputs`, `weights`,
+        `format`, `block_size`, `note`), `print(report)` shows the table.
 
     Raises:
         TypeError: `model` is not a Keras 3 model.
 
     Example:
 
-    >>> rows = keras_mp.quantization_report(qmodel, verbose=False)
-    >>> [r["layer"] for r in rows if r["quantized"]]
+    >>> report = keras_mp.quantization_report(qmodel, verbose=False)
+    >>> [r["layer"] for r in report.rows if r["quantized"]]
     """
     _models.check_model(model, "quantization_report")
     check_current(model, "quantization_report")
@@ -170,19 +268,7 @@ def quantization_report(model, verbose=True):
             row.update(quantized=False, inputs={}, weights={})
             row["note"] = _float_note(layer)
         rows.append(row)
-    if verbose:
-        for r in rows:
-            ins = ", ".join(f"in{i}={a:.4g}" for i, a in r["inputs"].items())
-            ws = ", ".join(
-                f"{k}=[{lo:.3g}..{hi:.3g}]"
-                for k, (lo, hi) in r["weights"].items()
-            )
-            flag = "Q" if r["quantized"] else "-"
-            name, kind = r["path"], r["type"]
-            fmt = r.get("format", "")
-            if r.get("block_size"):
-                fmt += f"/{r['block_size']}"  # values per block along K
-            print(
-                f"{flag} {name:<24} {kind:<22} {fmt:<8} {ins} {ws} {r['note']}"
-            )
-    return rows
+    report = QuantizationReport(rows)
+    if verbose and rows:
+        print(report)
+    return report

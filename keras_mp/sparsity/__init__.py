@@ -12,5 +12,9 @@ from keras_mp.sparsity.permutation import (
     permute_for_sparsity,
     search_permutation,
 )
-from keras_mp.sparsity.report import plot_sparsity, sparsity_report
+from keras_mp.sparsity.report import (
+    SparsityReport,
+    plot_sparsity,
+    sparsity_report,
+)
 from keras_mp.sparsity.saving import SparseModel

@@ -1,6 +1,7 @@
 """Per-layer 2:4 sparsity report and its plot (matplotlib, optional)."""
 
 import dataclasses
+import warnings
 
 import numpy as np
 
@@ -73,15 +74,42 @@ class SparsityReport:
         rows: list of `LayerSparsity`, in model order.
         m: int. Weights kept per group.
         n: int. Group size.
+
+    Example:
+
+    >>> report = keras_mp.sparsity_report(model)
+    >>> print(report)  # one line per layer
+    >>> [r.name for r in report.rows if r.eligible]
     """
 
     rows: list
     m: int = 2
     n: int = 4
 
+    def to_dict(self):
+        """The report as plain Python (JSON-ready): `m`, `n` and `rows`,
+        one dict per `LayerSparsity`."""
+        return dataclasses.asdict(self)
+
     def to_dicts(self):
-        """The rows as a list of plain dicts (JSON-ready)."""
-        return [dataclasses.asdict(r) for r in self.rows]
+        """Deprecated: `report.to_dict()["rows"]`."""
+        warnings.warn(
+            "SparsityReport.to_dicts() is deprecated: use "
+            '`report.to_dict()["rows"]`. It will be removed in the next '
+            "release.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.to_dict()["rows"]
+
+    def plot(self, path, title=None):
+        """Writes a PNG of the zeros and kept |w| by layer; see
+        `plot_sparsity`.
+
+        Returns:
+            `path`.
+        """
+        return plot_sparsity(self, path, title=title)
 
     def __str__(self):
         def fmt(value):
@@ -173,7 +201,8 @@ def sparsity_report(
             False.
 
     Returns:
-        A `SparsityReport`; `print()` it for a table, `.to_dicts()` for JSON.
+        A `SparsityReport`; `print()` it for a table, `.to_dict()` for
+        JSON, `.plot(path)` for a chart.
 
     Raises:
         TypeError: `model` is not a Keras 3 model.

@@ -228,7 +228,7 @@ def test_collapsed_range_is_reported_and_not_exported(tmp_path):
     assert "conv/input_0: range collapsed to 0" in str(report)
     notes = {
         r["layer"]: r["note"]
-        for r in keras_mp.quantization_report(model, verbose=False)
+        for r in keras_mp.quantization_report(model, verbose=False).rows
     }
     assert "uncalibrated input range (0)" in notes["conv"]
     path = tmp_path / "collapsed.onnx"

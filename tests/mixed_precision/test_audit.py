@@ -11,7 +11,7 @@ def test_audit_reports_dtypes_and_alignment(capsys):
         model = keras_mp.apply_mixed_precision(small_cnn())
     report = keras_mp.mixed_precision_audit(model, batch_size=100)
     printed = capsys.readouterr().out
-    rows = {r.name: r for r in report.layers}
+    rows = {r.name: r for r in report.rows}
     conv = model.layers[0].name
     assert rows[conv].compute_dtype == "float16"
     assert rows[conv].variable_dtype == "float32"
@@ -34,7 +34,7 @@ def test_audit_reaches_layers_of_nested_models():
     report = keras_mp.mixed_precision_audit(
         keras.Model(inputs, outputs), verbose=False
     )
-    assert [r.name for r in report.layers] == ["inner/inner_dense", "head"]
+    assert [r.name for r in report.rows] == ["inner/inner_dense", "head"]
     assert report.findings == [
         "inner/inner_dense: units=12 not a multiple of 8",
         "head: input features=12 not a multiple of 8",
@@ -59,13 +59,13 @@ def test_audit_rejects_what_is_not_a_built_model():
 def test_audit_lists_a_quantize_wrapper_as_one_row():
     qmodel = keras_mp.quantize_model(small_cnn())
     report = keras_mp.mixed_precision_audit(qmodel, verbose=False)
-    names = [r.name for r in report.layers]
+    names = [r.name for r in report.rows]
     # One row per layer of the float model: a quantized layer's quantizers
     # are not rows of their own, and it keeps its float name.
     assert len(names) == len(set(names)) == len(qmodel.model.layers)
     quantized = {
         r.name.split("/")[-1]
-        for r in report.layers
+        for r in report.rows
         if r.class_name.startswith("Quantized")
     }
     assert quantized and quantized == {
@@ -80,7 +80,7 @@ def test_nested_layers_by_path_and_no_quantizer_rows():
     from tests.sparsity.test_report import nested_blocks
 
     model = nested_blocks()
-    names = [r.name for r in keras_mp.mixed_precision_audit(model).layers]
+    names = [r.name for r in keras_mp.mixed_precision_audit(model).rows]
     assert names == [
         "block_0",
         "block_0/query",
@@ -90,7 +90,7 @@ def test_nested_layers_by_path_and_no_quantizer_rows():
     ]
     qmodel = keras_mp.quantize_model(model)  # in place, in a RecordedModel
     quantized = keras_mp.mixed_precision_audit(qmodel, verbose=False)
-    assert [(r.name, r.class_name) for r in quantized.layers] == [
+    assert [(r.name, r.class_name) for r in quantized.rows] == [
         ("blocks/block_0", "_QueryBlock"),
         ("blocks/block_0/query", "QuantizedDense"),
         ("blocks/block_1", "_QueryBlock"),

@@ -231,8 +231,8 @@ def test_fp16_export_is_int8_plus_float16_with_float32_boundaries(tmp_path):
     # inside the graph a float32 constant is read only by the float32
     # nodes the export lists (the output layer): scales, biases and
     # BatchNormalization statistics are float16 elsewhere, weights INT8
-    islands = {e.node for e in parity.typed.float32_nodes}
-    assert {e.reason for e in parity.typed.float32_nodes} <= {"policy", "qdq"}
+    islands = {e.node for e in parity.typed.rows}
+    assert {e.reason for e in parity.typed.rows} <= {"policy", "qdq"}
     dtypes = {init.name: init.data_type for init in graph.initializer}
     for node in graph.node:
         for name in node.input:

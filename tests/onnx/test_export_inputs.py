@@ -142,11 +142,11 @@ def test_two_outputs_are_compared_one_by_one(tmp_path):
     keras_mp.calibrate(qmodel, x, verbose=0)
     path = tmp_path / "two_out.onnx"
     report = keras_mp.export_onnx(qmodel, path, verify_data=x)
-    assert [o.name for o in report.outputs] == ["logits", "score"]
-    assert report.rel_l2 == max(o.rel_l2 for o in report.outputs)
+    assert [o.name for o in report.rows] == ["logits", "score"]
+    assert report.rel_l2 == max(o.rel_l2 for o in report.rows)
     assert "output 'score'" in str(report)
     again = keras_mp.verify_onnx(qmodel, path, x)
-    assert [o.name for o in again.outputs] == ["logits", "score"]
+    assert [o.name for o in again.rows] == ["logits", "score"]
     assert len(onnx.load(path).graph.output) == 2
 
 

@@ -100,7 +100,7 @@ def _check_strongly_typed_float16(path):
     assert {v.type.tensor_type.elem_type for v in graph.output} == {FLOAT}
     inferred = onnx.shape_inference.infer_shapes(proto).graph
     inner = {v.name: v.type.tensor_type.elem_type for v in inferred.value_info}
-    islands = {e.node for e in keras_mp.typed_graph(proto).float32_nodes}
+    islands = {e.node for e in keras_mp.typed_graph(proto).rows}
     producers = {o: n for n in graph.node for o in n.output}
     # an output made by a float32 island (the softmax) needs no Cast
     boundary = {f"{v.name}_fp16" for v in graph.input} | {

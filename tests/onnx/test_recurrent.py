@@ -139,7 +139,7 @@ def test_masked_export_skips_padding(exported, name):
 
 def test_quantization_report_notes_recurrent_layers(exported):
     model, _ = exported("bilstm_int8")
-    rows = keras_mp.quantization_report(model, verbose=False)
+    rows = keras_mp.quantization_report(model, verbose=False).rows
     notes = {
         row["path"]: row["note"]
         for row in rows

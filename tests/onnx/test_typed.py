@@ -86,7 +86,7 @@ def test_policy_and_magnitude_islands(encoder, tmp_path):
     typed = report.typed
     assert str(typed) == str(keras_mp.typed_graph(path))
     proto = onnx.load(path)
-    islands = {e.node: e for e in typed.float32_nodes}
+    islands = {e.node: e for e in typed.rows}
     by_op = {}
     for node in proto.graph.node:
         by_op.setdefault(node.op_type, []).append(node)
@@ -101,7 +101,7 @@ def test_policy_and_magnitude_islands(encoder, tmp_path):
     assert islands[softmax.name].reason == "policy"
     assert "Softmax" in islands[softmax.name].detail
     # the `big` branch's values pass 512: measured, kept float32
-    big = [e for e in typed.float32_nodes if e.reason == "magnitude"]
+    big = [e for e in typed.rows if e.reason == "magnitude"]
     assert big and any("rescaling" in e.node for e in big)
     assert all(float(e.detail.rsplit("= ", 1)[1]) > 512 for e in big)
     # the reasons are in the file, node by node
@@ -143,7 +143,7 @@ def test_transformer_islands_are_norm_softmax_and_output_only(tmp_path):
     )
     assert report.rel_l2 <= 0.01
     proto = onnx.load(path)
-    islands = {e.node: e for e in report.typed.float32_nodes}
+    islands = {e.node: e for e in report.typed.rows}
     # Expected from the node names alone: the LayerNorm's scope (`norm_<n>`),
     # the output Dense's (`proj_1_<n>`), and the attention's Softmax.
     scope = re.compile(r"^[^/]+/(norm|proj_1)_\d+/")
@@ -187,7 +187,7 @@ def test_layer_with_sublayers_making_the_output_is_not_an_island(tmp_path):
     path = tmp_path / "b.onnx"
     keras_mp.export_onnx(model, path, dtype="float16")
     proto = onnx.load(path)
-    float32 = {e.node for e in keras_mp.typed_graph(path).float32_nodes}
+    float32 = {e.node for e in keras_mp.typed_graph(path).rows}
     norm = {
         n.name
         for n in proto.graph.node
@@ -223,8 +223,8 @@ def test_fp16_true_is_dtype_float16(encoder, tmp_path):
         verify_data=x,
     )
     assert a.typed.dtype == "float16"
-    assert [(e.op_type, e.reason) for e in a.typed.float32_nodes] == [
-        (e.op_type, e.reason) for e in b.typed.float32_nodes
+    assert [(e.op_type, e.reason) for e in a.typed.rows] == [
+        (e.op_type, e.reason) for e in b.typed.rows
     ]
 
 
@@ -278,7 +278,7 @@ def test_no_cast_between_dequantize_and_its_gemm(int8_cnn, tmp_path, dtype):
             source = producers.get(source.input[0])  # INT8 layout ops
         if source is not None:  # an activation pair: Q -> DQ, no Cast
             assert source.op_type == "QuantizeLinear", dq.name
-    islands = {e.node for e in keras_mp.typed_graph(path).float32_nodes}
+    islands = {e.node for e in keras_mp.typed_graph(path).rows}
     _check_casts_at_boundaries(proto, islands)
     if dtype == "float16":
         # the output Dense (a quantized layer: its quantizers are not
@@ -304,7 +304,7 @@ def test_bfloat16_graph_structure(encoder, tmp_path):
     assert BFLOAT16 in types and FLOAT16 not in types
     typed = keras_mp.typed_graph(path)
     assert typed.dtype == "bfloat16" and typed.measured_samples == 16
-    _check_casts_at_boundaries(proto, {e.node for e in typed.float32_nodes})
+    _check_casts_at_boundaries(proto, {e.node for e in typed.rows})
     assert {v.type.tensor_type.elem_type for v in proto.graph.input} == {FLOAT}
 
 

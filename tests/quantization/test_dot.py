@@ -136,7 +136,7 @@ def test_dot_false_keeps_the_interactions_float():
     qmodel = keras_mp.quantize_model(
         model, config=keras_mp.QuantizeConfig(dot=False)
     )
-    rows = keras_mp.quantization_report(qmodel, verbose=False)
+    rows = keras_mp.quantization_report(qmodel, verbose=False).rows
     by_type = {}
     for row in rows:
         by_type.setdefault(row["type"], set()).add(row["quantized"])

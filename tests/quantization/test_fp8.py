@@ -175,7 +175,7 @@ def _cnn(channels=32):
 
 
 def _formats(qmodel):
-    rows = keras_mp.quantization_report(qmodel, verbose=False)
+    rows = keras_mp.quantization_report(qmodel, verbose=False).rows
     return {
         r["layer"]: (r.get("format"), r["note"]) for r in rows if r["quantized"]
     }

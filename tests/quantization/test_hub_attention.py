@@ -237,7 +237,7 @@ def test_attention_false_leaves_the_matmuls_float():
         model, config=keras_mp.QuantizeConfig(attention=False)
     )
     assert _attention_layers(qmodel) == []
-    rows = keras_mp.quantization_report(qmodel, verbose=False)
+    rows = keras_mp.quantization_report(qmodel, verbose=False).rows
     (row,) = [r for r in rows if r["type"] == "LlamaAttention"]
     assert not row["quantized"]
     projections = [
@@ -263,7 +263,9 @@ def test_an_attention_layer_without_a_twin_is_quantized_at_its_ops():
         np.ones((8, 4, 4), "int32"),
     ]
     keras_mp.calibrate(qmodel, data, verbose=0)
-    rows = {r["layer"]: r for r in keras_mp.quantization_report(qmodel, False)}
+    rows = {
+        r["layer"]: r for r in keras_mp.quantization_report(qmodel, False).rows
+    }
     assert rows["bloom"]["quantized"], rows["bloom"]
     # both attention matmuls: the scores' operands, the probs and values
     assert len(rows["bloom"]["inputs"]) >= 4, rows["bloom"]["inputs"]
@@ -329,7 +331,7 @@ def test_relative_attention_round_trip(relative):
     # 4; DeBERTaV3's 6: its position query and key too
     assert all(len(_activation_ranges(a)) >= 4 for a in layers)
     assert all(a > 0 for t in layers for a in _activation_ranges(t).values())
-    rows = keras_mp.quantization_report(qmodel, verbose=False)
+    rows = keras_mp.quantization_report(qmodel, verbose=False).rows
     assert not [r for r in rows if r["note"].startswith("attention matmuls")]
     data = tokens(model, 8, seed=3)
     got, want = _outputs(qmodel, data), _outputs(model, data)

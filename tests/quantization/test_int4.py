@@ -27,7 +27,7 @@ def _data(n=16, seed=0):
 
 def _rows(qmodel):
     report = keras_mp.quantization_report(qmodel, verbose=False)
-    return {r["layer"]: r for r in report}
+    return {r["layer"]: r for r in report.rows}
 
 
 def test_int4_blocks_gemm_weights_and_mixes_with_int8_and_fp8():
@@ -143,7 +143,7 @@ def test_llama_backbone_int4_blocks_projections_and_keeps_attention_float():
     # weight-only: no activation range, nothing to calibrate
     qmodel = keras_mp.quantize_model(model, config=INT4)
     report = keras_mp.quantization_report(qmodel, verbose=False)
-    quantized = [r for r in report if r["quantized"]]
+    quantized = [r for r in report.rows if r["quantized"]]
     assert quantized and all(
         (r["format"], r["block_size"], r["inputs"]) == ("int4", 64, {})
         for r in quantized

@@ -154,7 +154,7 @@ def test_attention_false_keeps_the_matmuls_float(kind):
     qmodel = keras_mp.quantize_model(
         model, config=keras_mp.QuantizeConfig(attention=False)
     )
-    rows = keras_mp.quantization_report(qmodel, verbose=False)
+    rows = keras_mp.quantization_report(qmodel, verbose=False).rows
     (row,) = [r for r in rows if r["layer"] == "attention"]
     assert not row["quantized"]
     assert row["note"].startswith(
@@ -231,7 +231,7 @@ def test_attention_subclass_with_its_own_call_is_quantized_at_its_ops():
     x = np.random.default_rng(0).random((16, 6, 8), dtype=np.float32)
     qmodel = keras_mp.quantize_model(model)
     keras_mp.calibrate(qmodel, x, verbose=0)  # raised TypeError before
-    rows = {r["path"]: r for r in keras_mp.quantization_report(qmodel)}
+    rows = {r["path"]: r for r in keras_mp.quantization_report(qmodel).rows}
     # Its call does not fit the MultiHeadAttention twin: the attention ops
     # of its (inherited) code are quantized where they are called.
     assert rows["two_stream"]["quantized"]

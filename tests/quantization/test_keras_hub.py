@@ -261,7 +261,7 @@ def test_every_attention_kind_gets_matmul_qdq(name):
     assert all(a.op_sites for a in layers)  # one mechanism for all
     report = keras_mp.calibrate(qmodel, inputs_for(model, 16), verbose=0)
     assert all(a > 0 for a in report.ranges.values())
-    rows = keras_mp.quantization_report(qmodel, verbose=False)
+    rows = keras_mp.quantization_report(qmodel, verbose=False).rows
     assert not [r for r in rows if r["note"].startswith("attention matmuls")]
     data = inputs_for(model, 4, seed=1)
     got = keras.tree.flatten(qmodel(data))

@@ -142,7 +142,7 @@ def test_layers_inside_custom_layers_are_quantized(make, tmp_path):
     want, got = model(x), qmodel(x)
     rel = np.linalg.norm(got - want) / np.linalg.norm(want)
     assert 0 < rel < 0.05, rel
-    rows = keras_mp.quantization_report(qmodel, verbose=False)
+    rows = keras_mp.quantization_report(qmodel, verbose=False).rows
     quantized = [r["path"] for r in rows if r["quantized"]]
     assert any(p.endswith(f"{block.name}/{inner[0].name}") for p in quantized)
     qmodel.compile(keras.optimizers.SGD(1e-2), "mse", jit_compile=True)
@@ -221,7 +221,7 @@ def test_shared_sublayer_warns_and_a_custom_matmul_is_reached():
     keras_mp.calibrate(qmodel, _x(), verbose=0)
     notes = {
         r["layer"]: r["note"]
-        for r in keras_mp.quantization_report(qmodel, verbose=False)
+        for r in keras_mp.quantization_report(qmodel, verbose=False).rows
     }
     # its own matmul is quantized where it is called (op_sites)
     assert notes["own"] == ""
@@ -549,7 +549,7 @@ def test_a_layer_the_model_never_calls_stays_float(tmp_path):
     with pytest.warns(UserWarning, match="did not call.*: spare"):
         qmodel = keras_mp.quantize_model(model)
     keras_mp.calibrate(qmodel, x, verbose=0)
-    report = keras_mp.quantization_report(qmodel)
+    report = keras_mp.quantization_report(qmodel).rows
     quantized = {r["layer"]: r["quantized"] for r in report}
     assert quantized["used"] and not quantized["spare"]
     # nothing uncalibrated left: the export (which refuses a range of 0)
@@ -578,7 +578,9 @@ def test_layers_inside_time_distributed_are_reached(tmp_path):
     data = np.random.default_rng(0).random((8, 4, 12, 12, 3), np.float32)
     qmodel = keras_mp.quantize_model(model)
     keras_mp.calibrate(qmodel, data, verbose=0)
-    rows = {r["path"]: r for r in keras_mp.quantization_report(qmodel, False)}
+    rows = {
+        r["path"]: r for r in keras_mp.quantization_report(qmodel, False).rows
+    }
     assert rows["td/conv"]["quantized"] or any(
         p.startswith("td/") and r["quantized"] for p, r in rows.items()
     )

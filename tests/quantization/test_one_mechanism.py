@@ -30,7 +30,7 @@ def all_layers(model):
 def quantized_rows(model):
     return [
         r
-        for r in keras_mp.quantization_report(model, verbose=False)
+        for r in keras_mp.quantization_report(model, verbose=False).rows
         if r["quantized"]
     ]
 

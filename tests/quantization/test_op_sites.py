@@ -81,7 +81,7 @@ def test_every_gemm_operand_gets_a_quantizer(quantized):
         if q.name.startswith(f"{kind}/")
     }
     assert names == EXPECTED[kind]
-    report = {r["layer"]: r for r in keras_mp.quantization_report(qmodel)}
+    report = {r["layer"]: r for r in keras_mp.quantization_report(qmodel).rows}
     assert report[kind]["quantized"]
 
 

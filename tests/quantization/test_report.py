@@ -9,7 +9,7 @@ from tests.quantization.conftest import cnn
 
 
 def test_report_lists_ranges_and_reasons(quantized, capsys):
-    rows = {r["layer"]: r for r in keras_mp.quantization_report(quantized)}
+    rows = {r["layer"]: r for r in keras_mp.quantization_report(quantized).rows}
     assert list(rows) == ["conv", "pool", "head"]
     conv = rows["conv"]
     assert conv["type"] == "Conv2D" and conv["quantized"]
@@ -25,9 +25,9 @@ def test_report_lists_ranges_and_reasons(quantized, capsys):
 def test_report_says_what_is_left_to_do():
     rows = keras_mp.quantization_report(
         keras_mp.quantize_model(cnn()), verbose=False
-    )
+    ).rows
     assert "run keras_mp.calibrate" in rows[0]["note"]
-    rows = keras_mp.quantization_report(cnn(), verbose=False)
+    rows = keras_mp.quantization_report(cnn(), verbose=False).rows
     assert not any(r["quantized"] for r in rows)
     assert rows[0]["note"] == "not selected, or skipped by QuantizeConfig"
 

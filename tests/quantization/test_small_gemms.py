@@ -22,7 +22,7 @@ def test_a_10_class_head_stays_float_with_a_reason(precision):
     qmodel = keras_mp.quantize_model(_mlp(), precision=precision)
     rows = {
         r["layer"]: r
-        for r in keras_mp.quantization_report(qmodel, verbose=False)
+        for r in keras_mp.quantization_report(qmodel, verbose=False).rows
     }
     assert rows["fc"]["quantized"] and rows["fc"]["format"] == precision
     assert not rows["head"]["quantized"]
@@ -32,7 +32,7 @@ def test_a_10_class_head_stays_float_with_a_reason(precision):
 def test_small_gemms_true_quantizes_them_anyway():
     config = keras_mp.QuantizeConfig(small_gemms=True)
     qmodel = keras_mp.quantize_model(_mlp(), config=config)
-    rows = keras_mp.quantization_report(qmodel, verbose=False)
+    rows = keras_mp.quantization_report(qmodel, verbose=False).rows
     assert [r["layer"] for r in rows if r["quantized"]] == ["fc", "head"]
 
 

@@ -22,7 +22,7 @@ def test_report_and_plot(tmp_path):
     assert 0.5 < fc.kept_magnitude < 1.0
     table = str(report)
     assert "depthwise" in table and "kept |w|" in table
-    assert report.to_dicts()[4]["name"] == "fc"
+    assert report.to_dict()["rows"][4]["name"] == "fc"
     path = str(tmp_path / "sparsity.png")
     assert plot_sparsity(report, path) == path
     with open(path, "rb") as f:
