@@ -142,7 +142,7 @@ def _ptq(model, precision, x_cal):
 
 def _counts(report):
     counts = {}
-    for choice in report.choices:
+    for choice in report.rows:
         counts[choice.precision] = counts.get(choice.precision, 0) + 1
     return dict(sorted(counts.items()))
 

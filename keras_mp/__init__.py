@@ -62,6 +62,7 @@ from keras_mp.precision import (
     layer_sensitivity,
 )
 from keras_mp.quantization import (
+    CalibrationReport,
     QuantizationReport,
     QuantizeActivation,
     QuantizeConfig,
@@ -103,6 +104,7 @@ __all__ = [
     "mixed_precision_audit",
     "set_tf32",
     # quantization
+    "CalibrationReport",
     "QuantizationReport",
     "QuantizeActivation",
     "QuantizeConfig",

@@ -111,18 +111,11 @@ CASES = [
         "QuantizationReport",
         lambda t: keras_mp.quantization_report(t.qmodel, verbose=False),
     ),
-    pytest.param(
-        Case(
-            "calibrate",
-            "CalibrationReport",
-            lambda t: keras_mp.calibrate(
-                keras_mp.quantize_model(t.model), t.x, verbose=0
-            ),
-        ),
-        marks=pytest.mark.xfail(
-            strict=True,
-            reason="CalibrationReport (quantization/calibrate.py) is not "
-            "exported yet: it needs rows, to_dict() and an Example first",
+    Case(
+        "calibrate",
+        "CalibrationReport",
+        lambda t: keras_mp.calibrate(
+            keras_mp.quantize_model(t.model), t.x, verbose=0
         ),
     ),
     Case(
@@ -164,24 +157,17 @@ CASES = [
             t.model, t.x, t.y, num_batches=1, calibration_batches=1, verbose=0
         ),
     ),
-    pytest.param(
-        Case(
-            "auto_quantize",
-            "AutoQuantizeReport",
-            lambda t: keras_mp.auto_quantize(
-                t.model,
-                t.x,
-                t.y,
-                num_batches=1,
-                calibration_batches=1,
-                verbose=0,
-            )[1],
-        ),
-        marks=pytest.mark.xfail(
-            strict=True,
-            reason="AutoQuantizeReport (precision/reports.py) names its "
-            "rows `choices`",
-        ),
+    Case(
+        "auto_quantize",
+        "AutoQuantizeReport",
+        lambda t: keras_mp.auto_quantize(
+            t.model,
+            t.x,
+            t.y,
+            num_batches=1,
+            calibration_batches=1,
+            verbose=0,
+        )[1],
     ),
 ]
 

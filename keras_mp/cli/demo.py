@@ -202,7 +202,7 @@ def run_demo(output="demo-report", quick=False, overwrite=False):
         "gpu": AUTO_GPU,
         "max_drop": AUTO_MAX_DROP,
         "eval_images": len(held),
-        "choices": [(c.name, c.precision) for c in choice.choices],
+        "choices": [(c.name, c.precision) for c in choice.rows],
         "drop_on_eval_images": choice.drop,
         "quantized_flops": choice.quantized_flops,
         "predicted_speedup_over_fp16": choice.speedup_over_fp16,

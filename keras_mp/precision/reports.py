@@ -2,6 +2,7 @@
 tables, `to_dict()` and a plot."""
 
 import dataclasses
+import warnings
 
 import numpy as np
 
@@ -186,7 +187,8 @@ class AutoQuantizeReport:
     """What `auto_quantize` chose, why, and what it cost to find out.
 
     Attributes:
-        choices: list of `Choice`, in the model's layer order.
+        rows: list of `Choice`, in the model's layer order (`choices`
+            before; that name still reads them, with a DeprecationWarning).
         metric_float: float. The metric of the float model.
         metric: float. The metric of the chosen configuration.
         max_drop: float.
@@ -215,7 +217,7 @@ class AutoQuantizeReport:
     >>> report.speedup_over_fp16
     """
 
-    choices: list
+    rows: list
     metric_float: float
     metric: float
     max_drop: float
@@ -235,9 +237,20 @@ class AutoQuantizeReport:
     def drop(self):
         return self.metric_float - self.metric
 
+    @property
+    def choices(self):
+        """`rows`, by its name before (for one release)."""
+        warnings.warn(
+            "AutoQuantizeReport.choices is now AutoQuantizeReport.rows; "
+            "`choices` will be removed in the next release.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.rows
+
     def to_table(self):
         counts = {}
-        for c in self.choices:
+        for c in self.rows:
             counts[c.precision] = counts.get(c.precision, 0) + 1
         lines = [
             f"auto_quantize ({self.cost} on {self.gpu}): "
@@ -253,7 +266,7 @@ class AutoQuantizeReport:
             + f", {self.seconds:.1f} s",
             f"  {'layer':<48} {'choice':<8} reason",
         ]
-        for c in self.choices:
+        for c in self.rows:
             lines.append(f"  {c.name[-48:]:<48} {c.precision:<8} {c.reason}")
         return "\n".join(lines)
 

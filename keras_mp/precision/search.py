@@ -240,7 +240,7 @@ def auto_quantize(
     passes["evaluation"] = evaluation.passes
     passes["calibration"] += sum(recalibrations)
     report = AutoQuantizeReport(
-        choices=choices,
+        rows=choices,
         metric_float=evaluation.base,
         metric=value,
         max_drop=float(max_drop),

@@ -13,7 +13,11 @@ from keras_mp.quantization.annotate import (
     quantize_apply,
     quantize_model,
 )
-from keras_mp.quantization.calibrate import activation_quantizers, calibrate
+from keras_mp.quantization.calibrate import (
+    CalibrationReport,
+    activation_quantizers,
+    calibrate,
+)
 from keras_mp.quantization.config import QuantizeConfig
 from keras_mp.quantization.formats import FORMATS, NumberFormat, number_format
 from keras_mp.quantization.layers import QuantizeActivation

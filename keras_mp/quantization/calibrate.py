@@ -32,7 +32,33 @@ SATURATION_WARNING = 0.01
 
 @dataclasses.dataclass
 class CalibrationReport:
-    """What calibration found: one row per activation quantizer."""
+    """What `calibrate` found: one row per activation quantizer.
+
+    `print(report)` shows one line per quantizer (its range, the largest
+    input seen, how the method chose the range and how much of the inputs
+    it clips), `report.rows` the same as dicts, `report.to_dict()` the
+    whole report as plain Python.
+
+    Attributes:
+        method: str. The calibration method (`"max"`, `"entropy"`,
+            `"gptq"`, ...).
+        batches: int. Batches seen.
+        samples: int. Samples seen.
+        ranges: dict. Quantizer name -> the range set (`amax`).
+        observed_max: dict. Quantizer name -> the largest |input| seen.
+        collapsed: list of str. Quantizers whose inputs were all zero.
+        chosen: dict. Quantizer name -> how a histogram method chose.
+        saturated: dict. Quantizer name -> fraction of its inputs beyond
+            its range (histogram methods).
+        weight_errors: dict. Weight name -> (before, after) relative output
+            error of a weight method (`"gptq"`).
+
+    Example:
+
+    >>> report = keras_mp.calibrate(qmodel, x_train[:512], method="entropy")
+    >>> print(report)  # one line per activation quantizer
+    >>> [r["quantizer"] for r in report.rows if r["saturated"] > 0.01]
+    """
 
     method: str
     batches: int
@@ -64,8 +90,47 @@ class CalibrationReport:
             rows.append(f"  {name}: range collapsed to 0 (all inputs zero)")
         return "\n".join(rows)
 
+    @property
+    def rows(self):
+        """One dict per activation quantizer: `quantizer` (its name),
+        `amax`, `observed_max`, `chosen` (how a histogram method chose, or
+        ""), `saturated` (fraction of inputs beyond the range), `collapsed`
+        (all inputs were zero)."""
+        names = list(self.ranges) + [
+            n for n in self.collapsed if n not in self.ranges
+        ]
+        return [
+            {
+                "quantizer": name,
+                "amax": _plain(self.ranges.get(name, 0.0)),
+                "observed_max": _plain(self.observed_max.get(name, 0.0)),
+                "chosen": str(self.chosen.get(name, "")),
+                "saturated": _plain(self.saturated.get(name, 0.0)),
+                "collapsed": name in self.collapsed,
+            }
+            for name in names
+        ]
+
+    def to_dict(self):
+        """The report as plain Python (JSON-ready)."""
+        return {
+            "method": self.method,
+            "batches": int(self.batches),
+            "samples": int(self.samples),
+            "rows": self.rows,
+            "weight_errors": {
+                k: [_plain(v) for v in pair]
+                for k, pair in self.weight_errors.items()
+            },
+        }
+
     def __str__(self):
         return self.to_table()
+
+
+def _plain(value):
+    """A float from a NumPy or TensorFlow scalar."""
+    return float(np.asarray(value))
 
 
 def calibrate(
