@@ -128,6 +128,15 @@ class CalibrationReport:
         return self.to_table()
 
 
+def _has_block_weights(model):
+    """Whether `model` has an enabled block-scaled weight quantizer."""
+    return any(
+        q.quantizer.block_size and q.quantizer.enabled
+        for q in all_quantizers(model, "calibrate")
+        if q.weight is not None
+    )
+
+
 def _plain(value):
     """A float from a NumPy or TensorFlow scalar."""
     return float(np.asarray(value))
@@ -242,12 +251,22 @@ def calibrate(
             report = CalibrationReport(weight_method, 0, 0, {}, {}, [], {}, {})
         report.method, report.weight_errors = weight_method, errors
         return report
+    if not quantizers and _has_block_weights(model):
+        # weight-only (INT4, NVFP4, MXFP8): the pipeline quantize ->
+        # calibrate -> export runs as for INT8, with nothing to observe
+        warnings.warn(
+            f"Model {model.name!r} is weight-only quantized: its block "
+            f"ranges come from the weights, so calibrate(method={method!r}) "
+            "has nothing to observe. calibrate(method=\"gptq\") rounds the "
+            "block-scaled weights on this data instead.",
+            UserWarning,
+            stacklevel=2,
+        )
+        return CalibrationReport(method, 0, 0, {}, {}, [], {}, {})
     if not quantizers:
         raise ValueError(
             f"Model {model.name!r} has no activation quantizer to calibrate. "
-            "Quantize it first with keras_mp.quantize_model(model). (An "
-            "INT4 weight-only model needs no calibration: its block ranges "
-            "come from the weights.)"
+            "Quantize it first with keras_mp.quantize_model(model)."
         )
     quantizers = {n: q for n, q in quantizers.items() if n not in fixed}
     calibrators = {}

@@ -177,3 +177,21 @@ def test_block_precisions_report_save_and_load(precision, block, tmp_path):
         np.asarray(qmodel.get_layer("ein").weight_quantizers[0](kernel)),
         block_quantize_dequantize(kernel, precision, block).numpy(),
     )
+
+
+def test_calibrate_on_a_weight_only_model_warns_and_changes_nothing():
+    # quantize -> calibrate -> export runs for INT4 as for INT8: nothing
+    # to observe, said in a warning, every weight and output unchanged
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8, 128))
+    h = keras.layers.Dense(128, name="fc1")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(64, name="fc2")(h))
+    qmodel = keras_mp.quantize_model(model, precision="int4")
+    x = _data()
+    before = np.asarray(qmodel(x))
+    with pytest.warns(UserWarning, match="weight-only.*gptq"):
+        report = keras_mp.calibrate(qmodel, x, verbose=0)
+    assert report.rows == [] and report.method == "max"
+    np.testing.assert_array_equal(np.asarray(qmodel(x)), before)
+    with pytest.raises(ValueError, match="no activation quantizer"):
+        keras_mp.calibrate(model, x, verbose=0)
