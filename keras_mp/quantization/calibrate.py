@@ -100,7 +100,14 @@ def calibrate(
             their layers' inputs (`block_calibrate`; activation ranges of
             the other layers by `"max"`); the report's `weight_errors`
             gives each weight's relative output error with max scales and
-            with GPTQ. Defaults to `"max"`.
+            with GPTQ. `"awq"`: AWQ scaling of the block-scaled (INT4,
+            NVFP4, MXFP8) weights (ModelOpt's `awq_lite`): per input
+            channel `s = mean|x| ** alpha / mean|w| ** (1 - alpha)`, alpha
+            searched per layer for the least output error; the kernel
+            becomes `s * W` and the layer gets an input pre-scale `1 / s`
+            (a saved variable, a Mul before the MatMul in ONNX), or is left
+            as it was when that does not lower its error. Defaults to
+            `"max"`.
         num_batches: int. Stop after this many batches. Defaults to all.
         batch_size: int. Batch size for array data. Defaults to 128.
         percentile: float. For `"percentile"`. Defaults to 99.99.
@@ -171,7 +178,7 @@ def calibrate(
             ):
                 model(_inputs.call_arg(model, batch, specs), training=False)
 
-        errors = calibrate_blocks(model, run_batches)
+        errors = calibrate_blocks(model, run_batches, weight_method)
         _models.reset_compiled_functions(model)
         if report is None:
             report = CalibrationReport(weight_method, 0, 0, {}, {}, [], {}, {})

@@ -19,7 +19,7 @@ import keras
 
 from keras_mp import _keras, _models, _record
 from keras_mp._switch import Switch
-from keras_mp.quantization import op_sites
+from keras_mp.quantization import op_sites, pre_scale
 from keras_mp.quantization.legacy import check_current
 from keras_mp.quantization.quantizer import TensorQuantizer
 from keras_mp.quantization.separable import separable_conv
@@ -237,6 +237,11 @@ class QuantizedLayer:
         return self._call(args, kwargs)
 
     def _call(self, args, kwargs):
+        # AWQ's pre-scale: also with the quantizers off, as the kernel
+        # holds `s * W` (`pre_scale.py`)
+        args, kwargs = pre_scale.scale_inputs(
+            self, args, kwargs, first_parameter(self.float_class)
+        )
         args, kwargs = self._quantize_inputs(args, kwargs)
         pointwise = self.inner_quantizers[0] if self.inner_quantizers else None
         if not self.enabled:  # turned off: the float layer exactly
