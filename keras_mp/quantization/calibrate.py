@@ -22,6 +22,7 @@ from keras_mp.quantization.calibrators import (
     HistogramCalibrator,
     PercentileCalibrator,
 )
+from keras_mp.quantization.packed import check_unpacked
 from keras_mp.quantization.twins import quantizers as all_quantizers
 
 # A range that clips more than this fraction of a tensor's calibration
@@ -136,6 +137,7 @@ def calibrate(
     >>> report = keras_mp.calibrate(qmodel, x_train[:4096], method="entropy")
     """
     _models.check_model(model, "calibrate")
+    check_unpacked(model, "calibrate")
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(
             f"`batch_size` must be a positive integer. Received: {batch_size!r}"

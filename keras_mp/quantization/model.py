@@ -10,7 +10,7 @@ again (`recipe.attach`), and only then do the weights and ranges load.
 import keras
 
 from keras_mp import _models, _record
-from keras_mp.quantization import legacy_twins, pre_scale, twins
+from keras_mp.quantization import legacy_twins, packed, pre_scale, twins
 from keras_mp.quantization.recipe import Recipe, apply_entries, apply_recipe
 
 
@@ -18,7 +18,8 @@ def quantization_record(model, walked):
     """`{"entries": [...]}`: one entry per quantized layer of `walked` (its
     `index`, `class_name`, `config`, `inputs`, and `calls` for a shared
     layer, `off` for quantizers turned off, `pre_quant_scale` (its shape)
-    for AWQ's input scale); None when there is none."""
+    for AWQ's input scale, `packed` for weights stored packed); None when
+    there is none."""
     entries = []
     for index, (layer, _) in enumerate(walked):
         if not twins.is_quantized(layer):
@@ -47,6 +48,8 @@ def quantization_record(model, walked):
         scale = pre_scale.get(layer)
         if scale is not None:  # AWQ: `calibrate(method="awq")`
             entry["pre_quant_scale"] = list(scale.scale_shape)
+        if getattr(layer, packed.ATTR, None):  # `pack_weights`
+            entry["packed"] = list(getattr(layer, packed.ATTR))
         entries.append(entry)
     return {"entries": entries} if entries else None
 

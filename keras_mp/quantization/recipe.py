@@ -19,6 +19,7 @@ from keras_mp.quantization import (
     legacy_twins,
     op_probe,
     op_sites,
+    packed,
     placement,
     pre_scale,
 )
@@ -330,6 +331,8 @@ def apply_entries(model, walked, entries):
             named[key].enabled = False
         if "pre_quant_scale" in entry:
             pre_scale.add(layer, entry["pre_quant_scale"])
+        if entry.get("packed"):
+            packed.mark(layer, entry["packed"])
 
 
 def _legacy_sites(model, walked, entries):
