@@ -56,7 +56,7 @@ def pack_weights(model):
     >>> qmodel = keras_mp.quantize_model(model, precision="int4")
     >>> keras_mp.calibrate(qmodel, x_calibration, method="awq")
     >>> keras_mp.pack_weights(qmodel)
-    >>> qmodel.save("int4.keras")  # about a seventh of the float32 file
+    >>> qmodel.save("int4.keras")  # a Dense stack: 0.16x the float32 file
     """
     from keras_mp.quantization import twins
 
