@@ -11,6 +11,8 @@ a quantized layer's calls (`twins.probing`: the twin's own `__call__`, no
   the block ranges `7 * scale` (`amax`), which the export writes as they
   are. A later `calibrate(method="max")`, or a training step (the weight
   ranges follow the weights), sets max ranges again.
+- `"mse"` (INT4; `mse_block_ranges`): per block, the range with the
+  least squared weight error, searched on the weights alone.
 - `"awq"` (INT4, NVFP4, MXFP8): `weight_calibration.awq` searches the
   per-input-channel scales `s` (ModelOpt's `awq_lite`); the kernel becomes
   `s * W` (max block ranges of it) and the layer gets the input
@@ -24,7 +26,7 @@ import numpy as np
 
 from keras_mp.quantization import pre_scale, twins
 from keras_mp.quantization.quantizers import matrix_view
-from keras_mp.quantization.weight_calibration import awq, gptq
+from keras_mp.quantization.weight_calibration import awq, gptq, mse_scales
 
 # The weight methods of `calibrate`, and what each runs on one kernel.
 WEIGHT_METHODS = ("gptq", "awq")
@@ -137,6 +139,45 @@ def _awq(q, kernel, x, back):
     scale = pre_scale.add(layer, shape)
     scale.scale.assign((current * result.input_scale).reshape(shape))
     return before, _error(x * result.input_scale, reference, q)
+
+
+def mse_block_ranges(model):
+    """Sets the block ranges of every enabled INT4 weight of `model` to
+    the per-block ranges with the least squared weight error
+    (`weight_calibration.mse_scales`: 0.5 to 1 times the block's max),
+    for `calibrate(method="mse")`. NVFP4/MXFP8 scales follow from the
+    values: left as they are.
+
+    Returns:
+        dict: for each weight quantizer's name, the relative weight error
+        `||W_q - W|| / ||W||` with max ranges and with these, as
+        `(before, after)`; empty when there is no INT4 weight.
+    """
+    errors = {}
+    for q in twins.quantizers(model, "calibrate"):
+        tq = q.quantizer
+        if not (
+            tq.block_size
+            and q.weight is not None
+            and not q.site
+            and tq.enabled
+            and tq.format.name == "int4"
+        ):
+            continue
+        weight = getattr(q.layer, q.weight)
+        tq.update(weight)
+        before = _weight_error(q)
+        view, _ = matrix_view(np.asarray(weight), tq.block_axes)
+        scale = mse_scales(view.numpy(), tq.block_size)
+        tq.amax.assign(np.float32(tq.format.qmax) * scale)
+        errors[q.name] = (before, _weight_error(q))
+    return errors
+
+
+def _weight_error(q):
+    weight = np.asarray(getattr(q.layer, q.weight))
+    diff = np.asarray(q.quantizer(weight)) - weight
+    return float(np.linalg.norm(diff) / np.linalg.norm(weight))
 
 
 def _error(x, reference, q):

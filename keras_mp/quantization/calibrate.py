@@ -16,6 +16,7 @@ from keras_mp.quantization.block_calibrate import (
     WEIGHT_METHODS,
     block_quantizers,
     calibrate_blocks,
+    mse_block_ranges,
 )
 from keras_mp.quantization.calibrators import (
     CALIBRATORS,
@@ -44,7 +45,8 @@ class CalibrationReport:
     chosen: dict = dataclasses.field(default_factory=dict)
     # name -> fraction of its inputs beyond its range (histogram methods)
     saturated: dict = dataclasses.field(default_factory=dict)
-    # weight name -> (before, after) relative output error (`"gptq"`)
+    # weight name -> (before, after) relative output error (`"gptq"`,
+    # `"awq"`), or relative weight error (`"mse"`, INT4 block ranges)
     weight_errors: dict = dataclasses.field(default_factory=dict)
 
     def to_table(self):
@@ -94,7 +96,10 @@ def calibrate(
             arrays, or batches shaped that way. Integer inputs (token ids,
             masks) take integer arrays and keep their dtype.
         method: str. `"max"`, `"percentile"`, `"entropy"` (TensorRT's
-            KL-divergence search), `"mse"` or `"auto"` (per quantizer, the
+            KL-divergence search), `"mse"` (also the INT4 block ranges:
+            per block the one with the least squared weight error; the
+            report's `weight_errors` gives each weight's relative error
+            with max and MSE ranges) or `"auto"` (per quantizer, the
             range of any of these with the least quantization error of its
             inputs on its format's grid; the report's `chosen` says which).
             `"gptq"`: GPTQ rounding of the INT4 (block-scaled) weights on
@@ -186,6 +191,13 @@ def calibrate(
             report = CalibrationReport(weight_method, 0, 0, {}, {}, [], {}, {})
         report.method, report.weight_errors = weight_method, errors
         return report
+    if not quantizers and method == "mse":  # INT4 weight-only: the blocks
+        errors = mse_block_ranges(model)
+        if errors:
+            _models.reset_compiled_functions(model)
+            return CalibrationReport(
+                "mse", 0, 0, {}, {}, [], weight_errors=errors
+            )
     if not quantizers:
         raise ValueError(
             f"Model {model.name!r} has no activation quantizer to calibrate. "
@@ -248,6 +260,7 @@ def calibrate(
     for layer in owners.values():
         if getattr(layer, "shared_input_range", False):
             layer.tie_input_ranges()  # a Concatenate's inputs: one range
+    weight_errors = mse_block_ranges(model) if method == "mse" else {}
     ranges = {
         name: float(_keras.to_numpy(quantizers[name].amax)) for name in ranges
     }
@@ -261,7 +274,15 @@ def calibrate(
     _warn_saturation(method, saturated, ranges, observed)
     _models.reset_compiled_functions(model)
     return CalibrationReport(
-        method, batches, samples, ranges, observed, collapsed, chosen, saturated
+        method,
+        batches,
+        samples,
+        ranges,
+        observed,
+        collapsed,
+        chosen,
+        saturated,
+        weight_errors,
     )
 
 

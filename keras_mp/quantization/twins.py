@@ -241,9 +241,10 @@ class QuantizedLayer:
             packed.refuse_training(self)
         # AWQ's pre-scale: also with the quantizers off, as the kernel
         # holds `s * W` (`pre_scale.py`)
-        args, kwargs = pre_scale.scale_inputs(
-            self, args, kwargs, first_parameter(self.float_class)
-        )
+        if pre_scale.get(self) is not None:
+            args, kwargs = pre_scale.scale_inputs(
+                self, args, kwargs, first_parameter(self.float_class)
+            )
         args, kwargs = self._quantize_inputs(args, kwargs)
         pointwise = self.inner_quantizers[0] if self.inner_quantizers else None
         if not self.enabled:  # turned off: the float layer exactly

@@ -173,3 +173,28 @@ def test_awq_exports_a_mul_before_the_matmul_matching_keras(
     assert first.op_type == "Mul"
     assert any(i in index.constants for i in first.input)
     assert keras_mp.check_tensorrt(proto).ok
+
+
+def test_mse_searches_int4_block_ranges_and_they_reach_the_onnx_file(
+    tmp_path,
+):
+    pytest.importorskip("tf2onnx")
+    pytest.importorskip("onnxruntime")
+    model, qmodel = _awq_model()
+    fc1 = qmodel.get_layer("fc1").weight_quantizers[0]
+    top = np.asarray(fc1.amax).copy()
+    report = keras_mp.calibrate(qmodel, _data(8, seed=0), method="mse")
+    assert report.method == "mse" and report.batches == 0
+    assert set(report.weight_errors) == {
+        "fc1/kernel",
+        "ein/kernel",
+        "fc2/kernel",
+    }
+    assert all(a < b for b, a in report.weight_errors.values())
+    ranges = np.asarray(fc1.amax)
+    assert np.all(ranges <= top * (1 + 1e-6)) and np.any(ranges < 0.99 * top)
+    with pytest.warns(UserWarning, match="opset 21"):
+        parity = keras_mp.export_onnx(
+            qmodel, tmp_path / "mse.onnx", verify_data=_data(8, seed=2)
+        )
+    assert parity.rel_l2 < 1e-5
