@@ -14,8 +14,9 @@ asymmetric), `"gptq"` and `"awq"` (4 bits, groups of 128, calibrated on
 training windows), with their perplexity and `.keras` size; and
 keras_mp's block formats (INT4 with max, MSE, AWQ or GPTQ scales; NVFP4;
 MXFP8) applied to the transformer blocks' kernels as fake quantization,
-and INT4 (max, GPTQ), NVFP4 and MXFP8 through `quantize_model`,
-`calibrate` and `export_onnx` with the exported file sizes. (Keras' GPTQ
+and INT4 (max, GPTQ, AWQ), NVFP4 and MXFP8 through `quantize_model`,
+`calibrate` and `export_onnx` with the exported file sizes (and for INT4
+the `.keras` size after `keras_mp.pack_weights`). (Keras' GPTQ
 picks its calibration windows with Python's `hash`, so this script sets
 `PYTHONHASHSEED=0` and restarts itself when it is unset.)
 
@@ -309,7 +310,10 @@ def markdown(results):
         "yet through `quantize_model` and `export_onnx`, so their size is "
         "what the export would write (codes, scales, float rest). The "
         "`quantize_model + export_onnx` rows go through keras_mp's pipeline "
-        "(weight-only transformer blocks, blocked DequantizeLinear at opset "
+        '(weight-only transformer blocks; `calibrate(method="gptq")` or '
+        '`"awq"`, whose input pre-scales export as a Mul before each '
+        "MatMul; their `.keras` size is after `keras_mp.pack_weights`, "
+        "4-bit codes; blocked DequantizeLinear at opset "
         "21 / 23 / 24, parity checked with ONNX Runtime for INT4 and "
         "onnx.reference for NVFP4/MXFP8); their float32 file: "
         f"{_float_onnx(results)} MiB; TensorRT: `trtexec --onnx=<file> "

@@ -130,6 +130,11 @@ PIPELINE_ROWS = [
         "int4",
         "gptq",
     ),
+    (
+        "keras_mp INT4 quantize_model + calibrate AWQ + export_onnx",
+        "int4",
+        "awq",
+    ),
     ("keras_mp NVFP4 quantize_model + export_onnx", "nvfp4", "max"),
     ("keras_mp MXFP8 quantize_model + export_onnx", "mxfp8", "max"),
 ]
@@ -140,11 +145,13 @@ def pipeline_row(
 ):
     """A row of the LM benchmark: the cached model at `path` quantized by
     keras_mp's own pipeline, the transformer blocks' kernels weight-only
-    in `precision` (its default blocks), GPTQ on `inputs(calibration)`
-    when `method` is `"gptq"`, exported to ONNX (parity against Keras on
-    four windows: ONNX Runtime for INT4, `onnx.reference` for NVFP4 and
-    MXFP8) beside the float32 model; `perplexity(model)` of the quantized
-    Keras model, both file sizes and the `trtexec` command of the file."""
+    in `precision` (its default blocks), GPTQ or AWQ (`calibrate`'s
+    `method`) on `inputs(calibration)` when `method` is `"gptq"` or
+    `"awq"`, exported to ONNX (parity against Keras on four windows: ONNX
+    Runtime for INT4, `onnx.reference` for NVFP4 and MXFP8) beside the
+    float32 model; `perplexity(model)` of the quantized Keras model, both
+    file sizes, the `trtexec` command of the file and, for INT4, the size
+    of the `.keras` file after `keras_mp.pack_weights`."""
     import tempfile
     import time
 
@@ -155,8 +162,8 @@ def pipeline_row(
     qmodel = keras_mp.quantize_model(
         model, layers="transformer_layer_.*", precision=precision
     )
-    if method == "gptq":
-        keras_mp.calibrate(qmodel, inputs(calibration), method="gptq")
+    if method in ("gptq", "awq"):
+        keras_mp.calibrate(qmodel, inputs(calibration), method=method)
     seconds = time.perf_counter() - start
     with tempfile.TemporaryDirectory() as directory:
         onnx_path = os.path.join(directory, f"{precision}-{method}.onnx")
@@ -167,10 +174,18 @@ def pipeline_row(
         keras_mp.export_onnx(model, float_path)
         command = keras_mp.trtexec_command(onnx_path)
         sizes = os.path.getsize(onnx_path), os.path.getsize(float_path)
+        ppl = perplexity(qmodel)
+        packed = {}
+        if precision == "int4":  # the .keras file with 4-bit codes
+            keras_mp.pack_weights(qmodel)
+            saved = os.path.join(directory, "packed.keras")
+            qmodel.save(saved)
+            packed["keras_file_bytes"] = os.path.getsize(saved)
     return {
         "variant": label,
         "mode": f"{precision}-{method}-onnx",
-        "perplexity": perplexity(qmodel),
+        "perplexity": ppl,
+        **packed,
         "onnx_file_bytes": sizes[0],
         "float32_onnx_file_bytes": sizes[1],
         "onnx_parity_rel_l2": float(parity.rel_l2),

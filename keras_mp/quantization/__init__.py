@@ -23,6 +23,7 @@ from keras_mp.quantization.formats import FORMATS, NumberFormat, number_format
 from keras_mp.quantization.layers import QuantizeActivation
 from keras_mp.quantization.legacy import QuantizeAnnotate, QuantizeWrapper
 from keras_mp.quantization.model import QuantizedModel
+from keras_mp.quantization.packed import pack_weights
 from keras_mp.quantization.quantizer import TensorQuantizer
 from keras_mp.quantization.recipe import register_twin
 from keras_mp.quantization.report import (

@@ -16,12 +16,14 @@ from keras_mp.quantization.block_calibrate import (
     WEIGHT_METHODS,
     block_quantizers,
     calibrate_blocks,
+    mse_block_ranges,
 )
 from keras_mp.quantization.calibrators import (
     CALIBRATORS,
     HistogramCalibrator,
     PercentileCalibrator,
 )
+from keras_mp.quantization.packed import check_unpacked
 from keras_mp.quantization.twins import quantizers as all_quantizers
 
 # A range that clips more than this fraction of a tensor's calibration
@@ -69,7 +71,8 @@ class CalibrationReport:
     chosen: dict = dataclasses.field(default_factory=dict)
     # name -> fraction of its inputs beyond its range (histogram methods)
     saturated: dict = dataclasses.field(default_factory=dict)
-    # weight name -> (before, after) relative output error (`"gptq"`)
+    # weight name -> (before, after) relative output error (`"gptq"`,
+    # `"awq"`), or relative weight error (`"mse"`, INT4 block ranges)
     weight_errors: dict = dataclasses.field(default_factory=dict)
 
     def to_table(self):
@@ -167,14 +170,24 @@ def calibrate(
             arrays, or batches shaped that way. Integer inputs (token ids,
             masks) take integer arrays and keep their dtype.
         method: str. `"max"`, `"percentile"`, `"entropy"` (TensorRT's
-            KL-divergence search), `"mse"` or `"auto"` (per quantizer, the
+            KL-divergence search), `"mse"` (also the INT4 block ranges:
+            per block the one with the least squared weight error; the
+            report's `weight_errors` gives each weight's relative error
+            with max and MSE ranges) or `"auto"` (per quantizer, the
             range of any of these with the least quantization error of its
             inputs on its format's grid; the report's `chosen` says which).
             `"gptq"`: GPTQ rounding of the INT4 (block-scaled) weights on
             their layers' inputs (`block_calibrate`; activation ranges of
             the other layers by `"max"`); the report's `weight_errors`
             gives each weight's relative output error with max scales and
-            with GPTQ. Defaults to `"max"`.
+            with GPTQ. `"awq"`: AWQ scaling of the block-scaled (INT4,
+            NVFP4, MXFP8) weights (ModelOpt's `awq_lite`): per input
+            channel `s = mean|x| ** alpha / mean|w| ** (1 - alpha)`, alpha
+            searched per layer for the least output error; the kernel
+            becomes `s * W` and the layer gets an input pre-scale `1 / s`
+            (a saved variable, a Mul before the MatMul in ONNX), or is left
+            as it was when that does not lower its error. Defaults to
+            `"max"`.
         num_batches: int. Stop after this many batches. Defaults to all.
         batch_size: int. Batch size for array data. Defaults to 128.
         percentile: float. For `"percentile"`. Defaults to 99.99.
@@ -203,6 +216,7 @@ def calibrate(
     >>> report = keras_mp.calibrate(qmodel, x_train[:4096], method="entropy")
     """
     _models.check_model(model, "calibrate")
+    check_unpacked(model, "calibrate")
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(
             f"`batch_size` must be a positive integer. Received: {batch_size!r}"
@@ -245,20 +259,28 @@ def calibrate(
             ):
                 model(_inputs.call_arg(model, batch, specs), training=False)
 
-        errors = calibrate_blocks(model, run_batches)
+        errors = calibrate_blocks(model, run_batches, weight_method)
         _models.reset_compiled_functions(model)
         if report is None:
             report = CalibrationReport(weight_method, 0, 0, {}, {}, [], {}, {})
         report.method, report.weight_errors = weight_method, errors
         return report
+    if not quantizers and method == "mse":  # INT4 weight-only: the blocks
+        errors = mse_block_ranges(model)
+        if errors:
+            _models.reset_compiled_functions(model)
+            return CalibrationReport(
+                "mse", 0, 0, {}, {}, [], weight_errors=errors
+            )
     if not quantizers and _has_block_weights(model):
         # weight-only (INT4, NVFP4, MXFP8): the pipeline quantize ->
         # calibrate -> export runs as for INT8, with nothing to observe
         warnings.warn(
             f"Model {model.name!r} is weight-only quantized: its block "
             f"ranges come from the weights, so calibrate(method={method!r}) "
-            "has nothing to observe. calibrate(method=\"gptq\") rounds the "
-            "block-scaled weights on this data instead.",
+            'has nothing to observe. calibrate(method="gptq") or '
+            'method="awq" round the block-scaled weights on this data '
+            'instead ("mse" searches INT4 block ranges).',
             UserWarning,
             stacklevel=2,
         )
@@ -323,6 +345,7 @@ def calibrate(
     for layer in owners.values():
         if getattr(layer, "shared_input_range", False):
             layer.tie_input_ranges()  # a Concatenate's inputs: one range
+    weight_errors = mse_block_ranges(model) if method == "mse" else {}
     ranges = {
         name: float(_keras.to_numpy(quantizers[name].amax)) for name in ranges
     }
@@ -336,7 +359,15 @@ def calibrate(
     _warn_saturation(method, saturated, ranges, observed)
     _models.reset_compiled_functions(model)
     return CalibrationReport(
-        method, batches, samples, ranges, observed, collapsed, chosen, saturated
+        method,
+        batches,
+        samples,
+        ranges,
+        observed,
+        collapsed,
+        chosen,
+        saturated,
+        weight_errors,
     )
 
 

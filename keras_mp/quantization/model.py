@@ -10,14 +10,16 @@ again (`recipe.attach`), and only then do the weights and ranges load.
 import keras
 
 from keras_mp import _models, _record
-from keras_mp.quantization import legacy_twins, twins
+from keras_mp.quantization import legacy_twins, packed, pre_scale, twins
 from keras_mp.quantization.recipe import Recipe, apply_entries, apply_recipe
 
 
 def quantization_record(model, walked):
     """`{"entries": [...]}`: one entry per quantized layer of `walked` (its
     `index`, `class_name`, `config`, `inputs`, and `calls` for a shared
-    layer, `off` for quantizers turned off); None when there is none."""
+    layer, `off` for quantizers turned off, `pre_quant_scale` (its shape)
+    for AWQ's input scale, `packed` for weights stored packed); None when
+    there is none."""
     entries = []
     for index, (layer, _) in enumerate(walked):
         if not twins.is_quantized(layer):
@@ -43,6 +45,11 @@ def quantization_record(model, walked):
         off = [k for k, q in layer.named_quantizers().items() if not q.enabled]
         if off and layer.enabled:
             entry["off"] = off
+        scale = pre_scale.get(layer)
+        if scale is not None:  # AWQ: `calibrate(method="awq")`
+            entry["pre_quant_scale"] = list(scale.scale_shape)
+        if getattr(layer, packed.ATTR, None):  # `pack_weights`
+            entry["packed"] = list(getattr(layer, packed.ATTR))
         entries.append(entry)
     return {"entries": entries} if entries else None
 

@@ -15,7 +15,14 @@ import keras
 import numpy as np
 
 from keras_mp import _inputs, _keras, _models
-from keras_mp.quantization import legacy_twins, op_probe, op_sites, placement
+from keras_mp.quantization import (
+    legacy_twins,
+    op_probe,
+    op_sites,
+    packed,
+    placement,
+    pre_scale,
+)
 from keras_mp.quantization.config import QuantizeConfig
 from keras_mp.quantization.layers import QuantizeActivation, quantizable_row
 from keras_mp.quantization.twins import QuantizedLayer, WeightQuantizer
@@ -322,6 +329,10 @@ def apply_entries(model, walked, entries):
         named = layer.named_quantizers()
         for key in entry.get("off", ()):
             named[key].enabled = False
+        if "pre_quant_scale" in entry:
+            pre_scale.add(layer, entry["pre_quant_scale"])
+        if entry.get("packed"):
+            packed.mark(layer, entry["packed"])
 
 
 def _legacy_sites(model, walked, entries):

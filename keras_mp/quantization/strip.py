@@ -1,6 +1,7 @@
 """`strip_quantization`: back from a quantized model to a float one."""
 
 from keras_mp import _models, _record
+from keras_mp.quantization import pre_scale
 from keras_mp.quantization.legacy import check_current
 
 
@@ -8,7 +9,8 @@ def strip_quantization(model):
     """A float copy of a quantized model: quantizers removed, weights kept.
 
     The model a `keras_mp.RecordedModel` holds comes back rebuilt from its
-    float config, with the trained weights (and 2:4 masks); stand-alone
+    float config, with the trained weights (and 2:4 masks), an AWQ
+    pre-scale multiplied back into its kernel; stand-alone
     `QuantizeActivation` layers of a model built with them are kept.
 
     Args:
@@ -31,9 +33,11 @@ def strip_quantization(model):
     _models.check_model(model, "strip_quantization")
     check_current(model, "strip_quantization")
     inner = _record.contents(model)
-    return _models.copy_model(
+    copy = _models.copy_model(
         inner,
         "strip_quantization",
         "or build the float model yourself and copy the trained weights "
         "layer by layer.",
     )
+    pre_scale.fold_into_kernels(inner, copy)  # AWQ's `1 / s` back into W
+    return copy

@@ -19,7 +19,7 @@ import keras
 
 from keras_mp import _keras, _models, _record
 from keras_mp._switch import Switch
-from keras_mp.quantization import op_sites
+from keras_mp.quantization import op_sites, packed, pre_scale
 from keras_mp.quantization.legacy import check_current
 from keras_mp.quantization.quantizer import TensorQuantizer
 from keras_mp.quantization.separable import separable_conv
@@ -237,6 +237,14 @@ class QuantizedLayer:
         return self._call(args, kwargs)
 
     def _call(self, args, kwargs):
+        if getattr(self, "packed_weights", None) and _keras.call_training():
+            packed.refuse_training(self)
+        # AWQ's pre-scale: also with the quantizers off, as the kernel
+        # holds `s * W` (`pre_scale.py`)
+        if pre_scale.get(self) is not None:
+            args, kwargs = pre_scale.scale_inputs(
+                self, args, kwargs, first_parameter(self.float_class)
+            )
         args, kwargs = self._quantize_inputs(args, kwargs)
         pointwise = self.inner_quantizers[0] if self.inner_quantizers else None
         if not self.enabled:  # turned off: the float layer exactly
@@ -249,6 +257,20 @@ class QuantizedLayer:
             return self._float_call(args, kwargs, pointwise)
         with keras.StatelessScope(state_mapping=self._weight_mapping()):
             return self._float_call(args, kwargs, pointwise)
+
+    def save_own_variables(self, store):
+        if getattr(self, "packed_weights", None):
+            return packed.save_own_variables(
+                self, store, super().save_own_variables
+            )
+        return super().save_own_variables(store)
+
+    def load_own_variables(self, store):
+        if getattr(self, "packed_weights", None):
+            return packed.load_own_variables(
+                self, store, super().load_own_variables
+            )
+        return super().load_own_variables(store)
 
     def _float_call(self, args, kwargs, pointwise):
         if pointwise is None:

@@ -195,3 +195,47 @@ def test_calibrate_on_a_weight_only_model_warns_and_changes_nothing():
     np.testing.assert_array_equal(np.asarray(qmodel(x)), before)
     with pytest.raises(ValueError, match="no activation quantizer"):
         keras_mp.calibrate(model, x, verbose=0)
+
+
+def test_an_int4_causal_lm_generates_the_float_models_greedy_tokens():
+    # generate() runs the cached path (call_with_cache) through the INT4
+    # twins, their AWQ pre-scales and packed kernels. A tiny Llama trained
+    # for seconds on a successor rule (next = previous + 7): its logits
+    # are peaked, so INT4's ~10% output error keeps every greedy token.
+    # (Untrained, the logits are nearly flat: INT4 flips ~1/3 of the
+    # teacher-forced argmaxes, and one flipped token changes the rest of
+    # a greedy sequence.)
+    keras_hub = pytest.importorskip("keras_hub")
+    from benchmarks.hub_models import BACKBONES
+
+    keras.utils.set_random_seed(0)
+    lm = keras_hub.models.LlamaCausalLM(
+        backbone=BACKBONES["LlamaBackbone"](64, 2), preprocessor=None
+    )
+    vocab = lm.backbone.vocabulary_size
+    start = np.random.default_rng(0).integers(1, vocab, size=(2048, 1))
+    ids = (start + 7 * np.arange(17)) % (vocab - 1) + 1
+    x = {"token_ids": ids[:, :-1], "padding_mask": np.ones((2048, 16), "i4")}
+    lm.compile(
+        optimizer=keras.optimizers.Adam(3e-3),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        sampler="greedy",
+    )
+    lm.fit(x, ids[:, 1:], batch_size=64, epochs=2, verbose=0)
+    qlm = keras_mp.quantize_model(
+        lm, config=keras_mp.QuantizeConfig(precision="int4", block_size=32)
+    )
+    calibration = {k: v[:16] for k, v in x.items()}
+    keras_mp.calibrate(qlm, calibration, method="awq", verbose=0)
+    prompt = {
+        "token_ids": np.pad(ids[:8, :3], ((0, 0), (0, 13))),
+        "padding_mask": np.pad(np.ones((8, 3), "i4"), ((0, 0), (0, 13))),
+    }
+    qlm.model.compile(sampler="greedy")
+    want = np.asarray(lm.generate(prompt, stop_token_ids=None)["token_ids"])
+    got = np.asarray(qlm.generate(prompt, stop_token_ids=None)["token_ids"])
+    np.testing.assert_array_equal(want, ids[:8, :16])  # learned the rule
+    assert np.mean(got[:, 3:] == want[:, 3:]) >= 0.95
+    keras_mp.pack_weights(qlm)
+    packed = qlm.generate(prompt, stop_token_ids=None)["token_ids"]
+    np.testing.assert_array_equal(np.asarray(packed), got)
