@@ -106,20 +106,20 @@ QUICK = {
     "seeds": 1,
     "chunk_steps": 8,
 }
-FP8 = keras_mp.QuantizeConfig(precision="fp8")
+FP8 = keras_mp.QuantizeConfig(precision="float8")
 # label -> (quantize_model keyword arguments, calibrate keyword arguments)
 BOTH_MODELS = {
     "int8_max": ({}, {"method": "max"}),
     "int8_percentile_99.99": ({}, {"method": "percentile"}),
-    "fp8_max": ({"precision": "fp8"}, {"method": "max"}),
+    "fp8_max": ({"precision": "float8"}, {"method": "max"}),
     "fp8_percentile_99.9": (
-        {"precision": "fp8"},
+        {"precision": "float8"},
         {"method": "percentile", "percentile": 99.9},
     ),
 }
 CNN_VARIANTS = {
     **BOTH_MODELS,
-    "fp8_mse": ({"precision": "fp8"}, {"method": "mse"}),
+    "fp8_mse": ({"precision": "float8"}, {"method": "mse"}),
 }
 QAT_START = "fp8_percentile_99.9"
 TRANSFORMER_VARIANTS = {
@@ -226,7 +226,7 @@ def int8_fallbacks(qmodel):
     return [
         {"path": r["path"], "type": r["type"], "note": r["note"]}
         for r in rows
-        if r["quantized"] and r.get("format") != "fp8" and r["note"]
+        if r["quantized"] and r.get("format") != "float8" and r["note"]
     ]
 
 
@@ -563,7 +563,7 @@ def _markdown(results):
         f"trained {s['transformer_epochs']} epochs (Adam 1e-3, batch "
         f"{BATCH}). PTQ: `quantize_model(precision=...)` + `calibrate`; "
         "mixed: the MultiHeadAttention layers FP8 (`config="
-        '{"block\\d+_mha": QuantizeConfig(precision="fp8")}`), the rest '
+        '{"block\\d+_mha": QuantizeConfig(precision="float8")}`), the rest '
         "INT8. FP8 QAT: fine-tuned one epoch (Adam, cosine decay from 1e-4, "
         "frozen ranges) against a float32 control given the same batches, "
         "order and optimizer. Every model exported with `export_onnx` "

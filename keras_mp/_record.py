@@ -262,7 +262,7 @@ class RecordedModel(keras.Model):
             f"`quantize({mode!r})` would bypass its quantizers (Keras runs "
             "`quantized_call` instead of the layers' `call`) and export no "
             "Q/DQ. Quantize with keras_mp alone "
-            '(`keras_mp.quantize_model(model, precision="int8" | "fp8")` on '
+            '(`keras_mp.quantize_model(model, precision="int8" | "float8")` on '
             "the float model), or call `quantize` on the float model and "
             "leave keras_mp out. Nothing was changed."
         )

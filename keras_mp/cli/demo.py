@@ -182,7 +182,7 @@ def run_demo(output="demo-report", quick=False, overwrite=False):
         )
         clips[method] = {"quantizer": name, "percent": round(100 * fraction, 2)}
     print(
-        f"auto_quantize: INT8, FP8 or float16 per layer, least predicted "
+        f"auto_quantize: INT8, FP8 or float per layer, least predicted "
         f"{AUTO_GPU} latency within {100 * AUTO_MAX_DROP:g} point"
     )
     held = x[-(1000 if quick else 5000) :]  # the metric's images

@@ -27,7 +27,7 @@ def export_command_parser(subparsers):
     parser.add_argument(
         "--auto-quantize",
         action="store_true",
-        help="choose INT8 / FP8 / float16 per layer (keras_mp.auto_quantize) "
+        help="choose INT8 / FP8 / float per layer (keras_mp.auto_quantize) "
         "on the --calibrate data, within --max-drop of float",
     )
     parser.add_argument(
@@ -45,7 +45,7 @@ def export_command_parser(subparsers):
     parser.add_argument(
         "--cost", choices=("latency", "bits"), default="latency"
     )
-    add_precision_arguments(parser, ("int8", "fp8", "float16"))
+    add_precision_arguments(parser, ("int8", "float8", "float"))
     parser.add_argument(
         "--verify",
         help="inputs for the parity check, as --calibrate's (default: the "

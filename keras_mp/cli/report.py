@@ -6,6 +6,8 @@ import os
 
 from keras_mp.cli.demo_vit import VIT
 from keras_mp.io import atomic_path, atomic_write_text
+from keras_mp.precision.gpus import PRECISIONS
+from keras_mp.quantization.names import NOT_QUANTIZED, canonical_name
 from keras_mp.reference import QAT_CALIBRATOR
 
 
@@ -146,18 +148,23 @@ def _auto_lines(auto):
     """The `auto_quantize` paragraph (empty without its results)."""
     if not auto:
         return []
+    # results written before the vocabulary say "float16", "fp8"
+    choices = [
+        (name, canonical_name(p, "choices", PRECISIONS, warn=False))
+        for name, p in auto["choices"]
+    ]
     counts = {}
-    for _, precision in auto["choices"]:
+    for _, precision in choices:
         counts[precision] = counts.get(precision, 0) + 1
     chosen = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
-    floats = [name for name, p in auto["choices"] if p == "float16"]
+    floats = [name for name, p in choices if p == NOT_QUANTIZED]
     return [
-        f"`auto_quantize`: INT8, FP8 or float16 per layer, the least "
+        f"`auto_quantize`: INT8, FP8 or float (float16) per layer, the least "
         f"predicted {auto['gpu']} latency within "
         f"{100 * auto['max_drop']:g} point of float on "
         f"{auto['eval_images']} training images (measured drop "
         f"{100 * auto['drop_on_eval_images']:+.2f}): {chosen} layers"
-        + (f" (float16: {', '.join(floats)})" if floats else "")
+        + (f" (float: {', '.join(floats)})" if floats else "")
         + f", {100 * auto['quantized_flops']:.1f}% of the FLOPs quantized, "
         f"predicted speed-up over float16 "
         f"{auto['predicted_speedup_over_fp16']:.2f}x (a roofline model, "

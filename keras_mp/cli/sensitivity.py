@@ -27,7 +27,7 @@ def sensitivity_command_parser(subparsers):
         "quantized (top1: top-1 accuracy on --labels, else agreement with "
         "the float model) instead of the gradient or KL score",
     )
-    add_precision_arguments(parser, ("int8", "fp8"))
+    add_precision_arguments(parser, ("int8", "float8"))
     parser.add_argument(
         "--batches", type=int, default=4, help="scoring batches (4)"
     )

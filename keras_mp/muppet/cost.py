@@ -6,41 +6,48 @@ tensor cores would gain.
 """
 
 from keras_mp.muppet.quantizer import check_word_length
+from keras_mp.quantization.names import canonical_name
 
 # Peak dense tensor throughput (TFLOPS / TOPS, no sparsity) from NVIDIA's
 # Turing architecture whitepaper (RTX 2080 Ti at reference clocks) and the
-# T4 datasheet. Turing has no TF32: float32 runs on CUDA cores.
+# T4 datasheet. Turing has no TF32: float32 runs on CUDA cores. Keyed by
+# Keras' dtype names and keras_mp's format names (`names.py`); a row
+# added with the old keys "fp32" / "fp16" is read with a warning.
 GPU_THROUGHPUT = {
     "rtx2080ti": {
         "name": "NVIDIA GeForce RTX 2080 Ti (Turing TU102)",
-        "fp32": 13.4,
-        "fp16": 53.8,  # FP16 tensor cores with FP32 accumulation
+        "float32": 13.4,
+        "float16": 53.8,  # FP16 tensor cores with FP32 accumulation
         "int8": 215.2,
         "int4": 430.3,
     },
     "t4": {
         "name": "NVIDIA T4 (Turing TU104)",
-        "fp32": 8.1,
-        "fp16": 65.0,
+        "float32": 8.1,
+        "float16": 65.0,
         "int8": 130.0,
         "int4": 260.0,
     },
 }
+# What `precision_unit` returns, the keys of a `GPU_THROUGHPUT` row.
+UNITS = ("float32", "float16", "int8", "int4")
 
 
 def precision_unit(word_length):
     """GPU arithmetic assumed for a MuPPET word length (None = float32).
 
-    Up to 4 bits: INT4 tensor cores; 5-8 bits: INT8; 9-16 bits: the 16-bit
-    tensor-core path at the FP16 rate (Turing has no INT16 tensor cores, so
-    this assumes a 16-bit integer GEMM as fast as FP16); wider: FP32.
+    Up to 4 bits: INT4 tensor cores (`"int4"`); 5-8 bits: INT8 (`"int8"`);
+    9-16 bits: the 16-bit tensor-core path at the FP16 rate (`"float16"`:
+    Turing has no INT16 tensor cores, so this assumes a 16-bit integer
+    GEMM as fast as FP16); wider: FP32 (`"float32"`). Before this release
+    the float units were named `"fp16"` and `"fp32"`.
     """
     bits = check_word_length(word_length)
     if bits == 0 or bits > 16:
-        return "fp32"
+        return "float32"
     if bits <= 4:
         return "int4"
-    return "int8" if bits <= 8 else "fp16"
+    return "int8" if bits <= 8 else "float16"
 
 
 def estimate_speedup(precisions, gpu="rtx2080ti", compute_fraction=0.6):
@@ -88,7 +95,7 @@ def estimate_speedup(precisions, gpu="rtx2080ti", compute_fraction=0.6):
         )
     if len(precisions) == 0:
         raise ValueError("estimate_speedup() needs at least one epoch.")
-    rates = GPU_THROUGHPUT[gpu]
+    rates = _rates(gpu)
     counts, relative = {}, {}
     for bits in precisions:
         bits = None if bits is None or int(bits) in (0, 32) else int(bits)
@@ -96,7 +103,7 @@ def estimate_speedup(precisions, gpu="rtx2080ti", compute_fraction=0.6):
         counts[key] = counts.get(key, 0) + 1
         unit = precision_unit(bits)
         relative[key] = (1.0 - compute_fraction) + compute_fraction * (
-            rates["fp32"] / rates[unit]
+            rates["float32"] / rates[unit]
         )
     total = sum(counts[k] * relative[k] for k in counts)
     return {
@@ -106,8 +113,19 @@ def estimate_speedup(precisions, gpu="rtx2080ti", compute_fraction=0.6):
         "relative_epoch_time": relative,
         "assumptions": (
             f"{compute_fraction:.0%} of a float32 step in conv/GEMM at peak "
-            f"rates of {rates['name']} (FP32 {rates['fp32']}, FP16 "
-            f"{rates['fp16']}, INT8 {rates['int8']} T(FL)OPS); 9-16 bits at "
+            f"rates of {rates['name']} (FP32 {rates['float32']}, FP16 "
+            f"{rates['float16']}, INT8 {rates['int8']} T(FL)OPS); 9-16 bits at "
             "the FP16 rate; quantization overhead ignored"
         ),
+    }
+
+
+def _rates(gpu):
+    """The `GPU_THROUGHPUT` row of `gpu`, keyed by `UNITS` (a row added
+    with the old keys "fp32" / "fp16" warns, `names.canonical_name`)."""
+    return {
+        key
+        if key == "name"
+        else canonical_name(key, f"GPU_THROUGHPUT[{gpu!r}]", UNITS): value
+        for key, value in GPU_THROUGHPUT[gpu].items()
     }

@@ -114,7 +114,7 @@ def _check_exportable(model):
             "QuantizeConfig(skip=True)."
         )
     unwritable = sorted(
-        f"{q.name} ({q.quantizer.num_bits} bits)"
+        f"{q.name} ({q.quantizer.format.name})"
         for q in quantizers_of(model, "export_onnx")
         if q.quantizer.format.onnx_type is None and not q.quantizer.block_size
     )
@@ -125,8 +125,9 @@ def _check_exportable(model):
             f"fewer bits: {', '.join(unwritable[:8])}"
             + (", ..." if len(unwritable) > 8 else "")
             + ". The file would not compute what the Keras model does. "
-            "Quantize with QuantizeConfig(num_bits=8) to export; fewer bits "
-            "are for simulation in Keras only. Nothing was written."
+            "Quantize with QuantizeConfig(precision='int8') to export; "
+            "fewer bits are for simulation in Keras only. Nothing was "
+            "written."
         )
 
 

@@ -28,7 +28,7 @@ def resolve_dtype(dtype, fp16, error):
     if dtype not in (None, "float32", *DTYPES):
         hint = (
             " FP8 is a quantization format: "
-            "keras_mp.quantize_model(model, precision='fp8')."
+            "keras_mp.quantize_model(model, precision='float8')."
             if "8" in str(dtype)
             else ""
         )

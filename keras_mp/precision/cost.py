@@ -1,4 +1,4 @@
-"""What a layer costs at INT8, FP8 or FP16 on a TensorRT GPU.
+"""What a layer costs at INT8, FP8 or unquantized on a TensorRT GPU.
 
 Two costs for choosing a precision per layer: `latency`, a roofline of the
 layer's GEMM work and memory traffic at a GPU's dense Tensor Core peak and
@@ -6,8 +6,9 @@ bandwidth (`GPUS`), with TensorRT's rules for quantized layers; and
 `bits_cost` / `effective_bits`, the weight bits (ModelOpt AutoQuantize's
 "effective bits"). `layer_work` counts a layer's work from the shapes of
 one call (`work.py`); the GPUs are in `gpus.py`; this module is the one
-import for both. Guide, with the GPU table and its sources:
-`docs/latency_model.md`.
+import for both. An unquantized layer (`"float"`) is priced in float16,
+the type TensorRT builds it in. Guide, with the GPU table and its
+sources: `docs/latency_model.md`.
 
 This is a model, not a measurement. It ignores kernel launch overheads,
 the fusion of elementwise layers into GEMM epilogues (an Add, a ReLU or a
@@ -27,6 +28,7 @@ from keras_mp.precision.gpus import (
 )
 from keras_mp.precision.work import KINDS, LayerWork, layer_work
 from keras_mp.quantization import placement
+from keras_mp.quantization.names import NOT_QUANTIZED
 
 __all__ = [
     "BITS",
@@ -43,11 +45,12 @@ __all__ = [
     "layer_work",
 ]
 
-BITS = {"float16": 16, "int8": 8, "fp8": 8}
+# Weight bits; not quantized: float16.
+BITS = {NOT_QUANTIZED: 16, "int8": 8, "float8": 8}
 # Tensor Core multiples a GEMM's K and N are padded to: 16 bytes, 8 float16
 # or 16 8-bit elements (NVIDIA's Matrix Multiplication Background User's
 # Guide, "Tensor Core Requirements").
-TILE = {"float16": 8, "int8": 16, "fp8": 16}
+TILE = {NOT_QUANTIZED: 8, "int8": 16, "float8": 16}
 # Kinds that are MatMuls in ONNX, the ops ModelOpt's small-GEMM rule reads.
 _MATMULS = ("gemm", "dot", "attention")
 # A stand-alone QuantizeLinear reads float16 and writes 8 bits.
@@ -77,8 +80,8 @@ def _small_gemm(work):
 def _roofline(work, precision, gpu, batch_scale):
     width = BITS[precision] // 8
     peak = gpu.peak[precision]
-    if precision != "float16" and _small_gemm(work):
-        peak = gpu.peak["float16"]
+    if precision != NOT_QUANTIZED and _small_gemm(work):
+        peak = gpu.peak[NOT_QUANTIZED]
     flops = work.flops * batch_scale * _padded(work, TILE[precision])
     # outputs in float16: a quantized layer's output is dequantized unless
     # the next layer fuses a Q (conservative)
@@ -93,27 +96,29 @@ def latency(work, precision, gpu, batch_scale=1.0, fused_input=False):
     `max(padded FLOPs / peak, bytes / bandwidth)`, with these TensorRT
     rules (sources in `docs/latency_model.md`):
 
-    - bytes: weights and inputs at the precision's width (float16 2
-      bytes, int8 and fp8 1), outputs at 2 bytes (a quantized layer's
-      output is dequantized unless the next layer fuses a Q); a quantized
-      layer adds a stand-alone Quantize kernel of its input (read 2 bytes,
-      write 1 per element) unless `fused_input`.
+    - bytes: weights and inputs at the precision's width (float, i.e.
+      float16, 2 bytes, int8 and float8 1), outputs at 2 bytes (a
+      quantized layer's output is dequantized unless the next layer
+      fuses a Q); a quantized layer adds a stand-alone Quantize kernel of
+      its input (read 2 bytes, write 1 per element) unless `fused_input`.
     - K and N are padded to Tensor Core multiples: 8 for float16, 16 for
-      int8 and fp8 (NVIDIA's Matrix Multiplication Background User's
+      int8 and float8 (NVIDIA's Matrix Multiplication Background User's
       Guide, "Tensor Core Requirements"); FLOPs count the padding.
-    - a MatMul with K or N below 16 is no faster in int8/fp8 than in
+    - a MatMul with K or N below 16 is no faster in int8/float8 than in
       float16 (ModelOpt's `_MIN_MATMUL_DIM`, keras_mp's
       `placement.MIN_GEMM_DIM`): its compute term takes the float16 peak
       and its kernel is never faster than the float16 one, so the Q/DQ
       make it slower.
     - a convolution TensorRT has no FP8 kernel for (16 channels or fewer
       in or out, more than 32 taps: `LayerWork.no_fp8`) is priced in
-      INT8 when fp8 is asked, as keras_mp places it.
+      INT8 when float8 is asked, as keras_mp places it.
     - a layer without GEMM (`flops == 0`) costs its bytes only.
 
     Args:
         work: `LayerWork`, from `layer_work`.
-        precision: str. One of `PRECISIONS`.
+        precision: str. One of `PRECISIONS` (`"float"`: not quantized;
+            `"float16"` and `"fp8"` are old spellings, with a
+            `DeprecationWarning`).
         gpu: str or `GPU`. See `gpu_spec`.
         batch_scale: float. Multiplies FLOPs and activation bytes (not
             weight bytes): price batch 64 from shapes recorded at batch 8
@@ -132,27 +137,27 @@ def latency(work, precision, gpu, batch_scale=1.0, fused_input=False):
 
     >>> big = LayerWork(2 * 8192**3, 8192**2, 8192**2, 8192**2,
     ...                 8192, 8192, "gemm")
-    >>> fp16 = latency(big, "float16", "H100")
+    >>> fp16 = latency(big, "float", "H100")
     >>> round(fp16 / latency(big, "int8", "H100", fused_input=True), 2)
     2.0
     >>> round(fp16 / latency(big, "int8", "H100"), 2)  # + a Quantize kernel
     1.81
     """
     gpu = gpu_spec(gpu)
-    check_precisions(gpu, (precision,))
+    (precision,) = check_precisions(gpu, (precision,))
     if not batch_scale > 0:
         raise ValueError(
             f"`batch_scale` must be positive. Received: batch_scale="
             f"{batch_scale!r}"
         )
-    if precision == "fp8" and work.no_fp8:
+    if precision == "float8" and work.no_fp8:
         precision = "int8"
         check_precisions(gpu, (precision,))
     seconds = _roofline(work, precision, gpu, batch_scale)
-    if precision == "float16":
+    if precision == NOT_QUANTIZED:
         return seconds
     if _small_gemm(work):
-        seconds = max(seconds, _roofline(work, "float16", gpu, batch_scale))
+        seconds = max(seconds, _roofline(work, NOT_QUANTIZED, gpu, batch_scale))
     if not fused_input:
         quantize = work.input_elements * batch_scale * _QUANTIZE_BYTES
         seconds += quantize / (gpu.bandwidth * 1e9)
@@ -160,8 +165,8 @@ def latency(work, precision, gpu, batch_scale=1.0, fused_input=False):
 
 
 def bits_cost(work, precision):
-    """The bits of `work`'s weights at `precision` (float16: 16, int8 and
-    fp8: 8).
+    """The bits of `work`'s weights at `precision` (float: 16, int8 and
+    float8: 8).
 
     Raises:
         ValueError: an unknown precision.
@@ -171,7 +176,7 @@ def bits_cost(work, precision):
     >>> bits_cost(LayerWork(0, 1000, 0, 0, None, None, "gemm"), "int8")
     8000.0
     """
-    check_precisions(None, (precision,))
+    (precision,) = check_precisions(None, (precision,))
     return float(work.weight_elements * BITS[precision])
 
 
@@ -192,7 +197,7 @@ def effective_bits(works_and_precisions):
 
     >>> a = LayerWork(0, 3000, 0, 0, None, None, "gemm")
     >>> b = LayerWork(0, 1000, 0, 0, None, None, "gemm")
-    >>> effective_bits([(a, "int8"), (b, "float16")])
+    >>> effective_bits([(a, "int8"), (b, "float")])
     10.0
     """
     elements = bits = 0

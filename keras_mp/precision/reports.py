@@ -166,8 +166,8 @@ class Choice:
     Attributes:
         name: str. As `SensitivityRow.name`.
         layers: tuple of str. Its layer paths.
-        precision: str. `"float16"` (not quantized), `"int8"` or `"fp8"`.
-        scores: dict. Precision -> sensitivity score (float16: 0).
+        precision: str. `"float"` (not quantized), `"int8"` or `"float8"`.
+        scores: dict. Precision -> sensitivity score (float: 0).
         costs: dict. Precision -> cost (seconds, or weight bits).
         flops: float. FLOPs of one scoring batch.
         reason: str. Why this precision.
@@ -195,7 +195,7 @@ class AutoQuantizeReport:
         cost: str. `"latency"` or `"bits"`.
         gpu: str. The GPU the latency model priced.
         predicted: dict. Predicted latency in seconds of the scoring batch
-            (`chosen`, `float16`, and each precision everywhere it can
+            (`chosen`, `float`, and each precision everywhere it can
             go) or, for `cost="bits"`, effective weight bits.
         speedup_over_fp16: float. Predicted float16 latency / chosen.
         quantized_flops: float. Fraction of the FLOPs in quantized layers.

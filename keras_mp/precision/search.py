@@ -4,7 +4,8 @@ The search, in three steps (guide: `docs/precision.md`):
 
 1. `score_layers` calibrates the model once per quantized precision and
    scores each layer (or coupled group) for each precision
-   (`sensitivity.py`); "not quantized" (float16 in TensorRT) scores 0.
+   (`sensitivity.py`); "not quantized" (`"float"`: the graph's float
+   type, float16 in TensorRT) scores 0.
 2. Each layer's options are priced by the cost model (`cost.py`): latency
    on the chosen GPU, or ModelOpt's weight bits. Minimizing the summed cost
    under a bound on the summed score is a multiple-choice knapsack; its
@@ -35,8 +36,9 @@ from keras_mp.precision.sensitivity import precision_tuple, score_layers
 from keras_mp.quantization.annotate import quantize_model
 from keras_mp.quantization.calibrate import calibrate
 from keras_mp.quantization.config import PRECISIONS, QuantizeConfig
+from keras_mp.quantization.names import NOT_QUANTIZED
 
-FLOAT = "float16"  # not quantized: TensorRT runs the layer in float16
+FLOAT = NOT_QUANTIZED  # TensorRT runs the layer in float16
 COSTS = ("latency", "bits")
 
 
@@ -45,7 +47,7 @@ def auto_quantize(
     data,
     labels=None,
     max_drop=0.01,
-    precisions=("int8", "fp8", "float16"),
+    precisions=("int8", "float8", "float"),
     cost="latency",
     gpu="H100",
     metric=None,
@@ -58,7 +60,7 @@ def auto_quantize(
     calibration_batches=16,
     verbose=1,
 ):
-    """Chooses INT8, FP8 or float16 per layer: least cost within a budget.
+    """Chooses INT8, FP8 or float per layer: least cost within a budget.
 
     Scores every quantizable layer for each precision
     (`keras_mp.layer_sensitivity`, one calibration per precision), prices
@@ -78,8 +80,11 @@ def auto_quantize(
         max_drop: float >= 0. The largest metric drop allowed, in the
             metric's units (top-1 accuracy as a fraction: 0.001 is 0.1
             point). Defaults to 0.01.
-        precisions: tuple of `"int8"`, `"fp8"`, `"float16"`. The options;
-            float16 (not quantized) is always one. Defaults to all three.
+        precisions: tuple of `"int8"`, `"float8"`, `"float"`. The
+            options; `"float"` (not quantized: the layer runs in the
+            graph's float type, float16 in TensorRT) is always one. The
+            old spellings `"fp8"` and `"float16"` (for `"float"`) work
+            with a `DeprecationWarning`. Defaults to all three.
         cost: str. `"latency"` or `"bits"`. Defaults to `"latency"`.
         gpu: str or `keras_mp.precision.GPU`. The GPU the latency model
             prices (`keras_mp.precision.GPUS`). Defaults to `"H100"`.
@@ -140,7 +145,7 @@ def auto_quantize(
     quantized = tuple(p for p in precisions if p != FLOAT)
     if not quantized:
         raise ValueError(
-            "`precisions` holds no quantized format: add 'int8' or 'fp8'."
+            "`precisions` holds no quantized format: add 'int8' or 'float8'."
         )
     gpu_row = cost_model.gpu_spec(gpu)
     cost_model.check_precisions(gpu_row, precisions)
@@ -375,7 +380,7 @@ def _choices(rows, options, config):
 
 def _predicted(rows, config, quantized, gpu):
     """Predicted latency (seconds, one scoring batch) of the chosen
-    configuration, of float16 everywhere and of each quantized precision
+    configuration, of float everywhere and of each quantized precision
     everywhere (whatever the cost the search minimized)."""
 
     def total(choose):

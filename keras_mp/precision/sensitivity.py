@@ -39,6 +39,7 @@ from keras_mp.quantization import twins
 from keras_mp.quantization.annotate import quantize_model
 from keras_mp.quantization.calibrate import calibrate
 from keras_mp.quantization.config import PRECISIONS
+from keras_mp.quantization.names import canonical_names
 
 # Sibling layers decided together: one attention layer's projections read
 # one tensor (ModelOpt shares its input quantizer among them).
@@ -49,7 +50,7 @@ def layer_sensitivity(
     model,
     data,
     labels=None,
-    precisions=("int8", "fp8"),
+    precisions=("int8", "float8"),
     metric=None,
     loss=None,
     calibration="auto",
@@ -76,7 +77,8 @@ def layer_sensitivity(
             inputs), or a `tf.data.Dataset` / iterable of batches, `(x, y)`
             tuples giving the labels.
         labels: array of labels for array `data`, or None.
-        precisions: tuple of `"int8"` and/or `"fp8"`.
+        precisions: tuple of `"int8"` and/or `"float8"` (`"fp8"` is an
+            old spelling of `"float8"`, with a `DeprecationWarning`).
         metric: callable `metric(y_true, y_pred) -> float`, higher is
             better (`keras_mp.precision.top1_accuracy`, or for a one-unit
             output `threshold_accuracy`). The score is `metric(float
@@ -134,17 +136,17 @@ def layer_sensitivity(
 
 
 def precision_tuple(precisions, allowed, caller):
-    """`precisions` as a tuple, or a ValueError naming what is allowed."""
+    """`precisions` as a tuple of names (`names.canonical_name`: old
+    spellings warn), or a ValueError naming what is allowed."""
     if isinstance(precisions, str):
         precisions = (precisions,)
     precisions = tuple(precisions)
-    bad = [p for p in precisions if p not in allowed]
-    if bad or not precisions:
+    if not precisions:
         raise ValueError(
             f"`{caller}`: `precisions` must be a non-empty tuple of "
             f"{list(allowed)}. Received: {precisions!r}"
         )
-    return precisions
+    return canonical_names(precisions, f"{caller}(precisions=)", allowed)
 
 
 def score_layers(

@@ -162,12 +162,13 @@ def quantize_model(
             copy rebuilt from its config; for a model that has no working
             `get_config()` (it then saves with `save_weights` only).
             Defaults to False.
-        precision: str or None. `"int8"`, `"fp8"` or `"int4"` (weight-only,
-            blocks of 128): the precision of the selected layers that
-            `config` does not configure (a layer `config` names keeps its
-            `QuantizeConfig(precision=...)`, so one model mixes INT4, INT8,
-            FP8 and float layers). Defaults to None
-            (`"int8"`).
+        precision: str or None. `"int8"`, `"float8"` or `"int4"`
+            (weight-only, blocks of 128; `"fp8"` is an old spelling of
+            `"float8"`, with a `DeprecationWarning`): the precision of the
+            selected layers that `config` does not configure (a layer
+            `config` names keeps its `QuantizeConfig(precision=...)`, so
+            one model mixes INT4, INT8, FP8 and float layers). Defaults to
+            None (`"int8"`).
 
     Returns:
         A `keras_mp.RecordedModel` ready for `keras_mp.calibrate`.

@@ -56,7 +56,7 @@ class Calibrator:
 
     def compute_amax(self, num_bits=8):
         """The range for a symmetric quantizer of `num_bits` bits, or of a
-        `NumberFormat` row (`"fp8"`) (0.0 when every input seen was 0)."""
+        `NumberFormat` row (`"float8"`) (0.0 when every input seen was 0)."""
         if self.observed_max == 0.0:
             return 0.0
         return self._compute_amax(number_format(num_bits))

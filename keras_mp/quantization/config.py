@@ -6,63 +6,51 @@ layers it is given to.
 """
 
 import dataclasses
+import warnings
 
 import keras
 
 from keras_mp.quantization.formats import FORMATS
+from keras_mp.quantization.names import canonical_name
 
 # The precisions a layer can be quantized to: the `FORMATS` rows TensorRT
-# runs (int8 stands for the int rows of `num_bits`), weights and inputs;
-# the precision search and sensitivity analysis choose among these.
-PRECISIONS = ("int8", "fp8")
+# runs, weights and inputs; the precision search and sensitivity analysis
+# choose among these.
+PRECISIONS = ("int8", "float8")
 # The block-scaled, weight-only precisions (int4 is the int4 row's blocked
 # form): `QuantizeConfig` takes them; the precision search does not yet.
 BLOCK_PRECISIONS = ("int4", "nvfp4", "mxfp8")
-# Other names of those precisions, lowercase: FP8 is E4M3 (TensorRT's FP8
-# Q/DQ, the ONNX FLOAT8E4M3FN zero point).
-_ALIASES = {
-    "e4m3": "fp8",
-    "e4m3fn": "fp8",
-    "fp8_e4m3": "fp8",
-    "float8_e4m3fn": "fp8",
-}
+# `block_size` not given: the precision's first block size if it has a
+# block-scaled form (int4, nvfp4, mxfp8), else None.
+_DEFAULT_BLOCK = "default"
 
 
-def precision_name(precision):
-    """The name in `PRECISIONS` or `BLOCK_PRECISIONS` of `precision`,
-    given in any case or as an alias (`"INT8"`, `"FP8"`, `"e4m3"`,
-    `"float8_e4m3fn"`).
+def precision_name(precision, warn=True):
+    """The `FORMATS` row name of `precision`, given in any case or in an
+    old spelling (`"INT8"`; `"fp8"` or `"e4m3"` for `"float8"`, with a
+    `DeprecationWarning` unless `warn` is False).
 
     Raises:
-        ValueError: not a name of a precision keras_mp quantizes to (the
+        ValueError: not a name of a format keras_mp quantizes to (the
             message lists them).
     """
-    if isinstance(precision, str):
-        key = precision.strip().lower()
-        key = _ALIASES.get(key, key)
-        if key in PRECISIONS + BLOCK_PRECISIONS:
-            return key
-    raise ValueError(
-        f"`precision` must be one of {list(PRECISIONS + BLOCK_PRECISIONS)} "
-        "(any case; FP8 is "
-        f"E4M3, also named {', '.join(repr(a) for a in _ALIASES)}; fewer "
-        "int bits: precision='int8' with num_bits). Received: "
-        f"precision={precision!r}"
-    )
+    return canonical_name(precision, "precision", tuple(FORMATS), warn=warn)
 
 
 @keras.saving.register_keras_serializable(package="keras_mp")
-@dataclasses.dataclass
+@dataclasses.dataclass(init=False)
 class QuantizeConfig:
     """Per-layer quantization settings.
 
     Args:
         skip: bool. Leave the layer in float. Defaults to False.
-        precision: str. `"int8"` or `"fp8"` (FP8 E4M3, TensorRT on Ada,
-            Hopper and newer): the number format of the layer's weights and
-            inputs, a row of `keras_mp.quantization.FORMATS`. Any case is
-            accepted, and `"e4m3"` for `"fp8"` (`precision_name`); the
-            config keeps the lowercase name. Where
+        precision: str. `"int8"` or `"float8"` (FP8 E4M3, TensorRT on
+            Ada, Hopper and newer): the number format of the layer's weights
+            and inputs, a row of `keras_mp.quantization.FORMATS`. Any case
+            is accepted; `"fp8"` and `"e4m3"` are old spellings of
+            `"float8"` (a `DeprecationWarning`). `"int2"` ... `"int7"`:
+            fewer int bits, for simulation (the export writes 8 bits
+            only). Where
             TensorRT has no FP8 kernel (convolutions with 16 channels or
             fewer in or out, or a filter of more than 32 taps) the layer
             takes INT8 and `quantization_report` says so. `"int4"`: INT4
@@ -74,8 +62,6 @@ class QuantizeConfig:
             `"nvfp4"` (E2M1 codes, FP8 scales per 16, Blackwell) and
             `"mxfp8"` (E4M3 codes, E8M0 scales per 32) are placed the same
             way, weight-only. Defaults to `"int8"`.
-        num_bits: int. Bits of an int precision's weights and activations
-            (2..8; TensorRT runs 8). Defaults to 8.
         per_channel: bool. Per-channel weight ranges (on the output-channel
             axes); False for one range per weight tensor. Defaults to True.
         quantize_inputs: bool or None. Override the layer type's default
@@ -103,26 +89,32 @@ class QuantizeConfig:
             them float, as keras_mp does by default. Defaults to False.
         block_size: int or None. For a block-scaled precision: values per
             block along K; int4: 128, 64 or 32 (TensorRT takes 64 and 128),
-            nvfp4: 16, mxfp8: 32. K must be a multiple of it. Defaults to
-            None (the precision's first size).
+            nvfp4: 16, mxfp8: 32. K must be a multiple of it. None with
+            `precision="int4"`: per-channel INT4 weights and inputs, for
+            simulation (what `num_bits=4` gave). Defaults to the
+            precision's first size (None for the other precisions).
+        num_bits: int or None. Deprecated: the format is chosen by
+            `precision` alone (`num_bits=4` is `precision="int4",
+            block_size=None`, `num_bits=8` is `precision="int8"`); a
+            `DeprecationWarning` names it. Saved configs holding it load
+            silently. Defaults to None.
 
     Raises:
-        ValueError: `num_bits` is not an integer in [2, 8], an unknown
-            `precision`, `precision="fp8"` with `num_bits` other than 8,
-            or a `block_size` without a block-scaled precision or not one
-            of its sizes.
+        ValueError: an unknown `precision`, `num_bits` not an integer in
+            [2, 8] or naming another format than `precision`, or a
+            `block_size` without a block-scaled precision or not one of
+            its sizes.
 
     Example:
 
     >>> config = keras_mp.QuantizeConfig(per_channel=False)
     >>> qmodel = keras_mp.quantize_model(model, config={"fc": config})
-    >>> fp8 = keras_mp.QuantizeConfig(precision="fp8")
+    >>> fp8 = keras_mp.QuantizeConfig(precision="float8")
     >>> mixed = keras_mp.quantize_model(model, config={"encoder.*": fp8})
     >>> w4 = keras_mp.QuantizeConfig(precision="int4", block_size=64)
     """
 
     skip: bool = False
-    num_bits: int = 8
     per_channel: bool = True
     quantize_inputs: bool = None
     learned_range: bool = False
@@ -132,56 +124,127 @@ class QuantizeConfig:
     small_gemms: bool = False
     block_size: int = None
 
-    def __post_init__(self):
-        if not isinstance(self.num_bits, int) or not 2 <= self.num_bits <= 8:
-            raise ValueError(
-                "`num_bits` must be an integer in [2, 8] (TensorRT runs 8). "
-                f"Received: num_bits={self.num_bits!r}"
-            )
-        self.precision = precision_name(self.precision)
-        if self.precision != "int8" and self.num_bits != 8:
-            raise ValueError(
-                f"`num_bits` is for int precisions; precision="
-                f"{self.precision!r} has 8 bits. Received: "
-                f"num_bits={self.num_bits!r}"
-            )
-        row = FORMATS[self.format]
-        if not self.blocked:
-            if self.block_size is not None:
-                raise ValueError(
-                    "`block_size` is for the block-scaled precisions "
-                    "('int4', 'nvfp4', 'mxfp8'). Received: precision="
-                    f"{self.precision!r}, block_size={self.block_size!r}"
-                )
-        elif self.block_size is None:
-            self.block_size = row.block_sizes[0]
-        elif self.block_size not in row.block_sizes:
-            raise ValueError(
-                f"precision={self.precision!r} takes block_size in "
-                f"{list(row.block_sizes)} (TensorRT builds "
-                f"{list(row.tensorrt_block_sizes)}). Received: "
-                f"block_size={self.block_size!r}"
-            )
+    def __init__(
+        self,
+        skip=False,
+        per_channel=True,
+        quantize_inputs=None,
+        learned_range=False,
+        attention=True,
+        dot=True,
+        precision=None,
+        small_gemms=False,
+        block_size=_DEFAULT_BLOCK,
+        num_bits=None,
+    ):
+        self.skip = skip
+        self.per_channel = per_channel
+        self.quantize_inputs = quantize_inputs
+        self.learned_range = learned_range
+        self.attention = attention
+        self.dot = dot
+        self.small_gemms = small_gemms
+        if num_bits is not None and precision is None:
+            # num_bits=4 alone was per channel, not blocked
+            block_size = None if block_size is _DEFAULT_BLOCK else block_size
+        self.precision = _precision_of(precision, num_bits, warn=True)
+        self.block_size = _block_size_of(self.precision, block_size)
 
     @property
     def blocked(self):
         """Whether the precision is block-scaled and weight-only (int4,
-        nvfp4, mxfp8; not `num_bits=4`, the per-channel int4 of
-        simulation)."""
-        return self.precision != "int8" and FORMATS[self.format].weight_only
+        nvfp4, mxfp8; not `precision="int4", block_size=None`, the
+        per-channel int4 of simulation)."""
+        return self.block_size is not None
 
     @property
     def format(self):
-        """The name of the `FORMATS` row of this config's quantizers."""
-        return (
-            f"int{self.num_bits}"
-            if self.precision == "int8"
-            else self.precision
-        )
+        """The name of the `FORMATS` row of this config's quantizers: the
+        precision."""
+        return self.precision
+
+    @property
+    def num_bits(self):
+        """The bits per value of the precision's format."""
+        return FORMATS[self.precision].bits
 
     def get_config(self):
         return dataclasses.asdict(self)
 
     @classmethod
     def from_config(cls, config):
+        # Saved before the vocabulary (`names.py`): "fp8", or an int
+        # precision spelled `precision="int8", num_bits=n`. Load silently.
+        config = dict(config)
+        num_bits = config.pop("num_bits", None)
+        config["precision"] = _precision_of(
+            config.get("precision"), num_bits, warn=False
+        )
+        # a file without `block_size` predates the blocked formats
+        config.setdefault("block_size", None)
         return cls(**config)
+
+
+def _precision_of(precision, num_bits, warn):
+    """The precision of `precision` and the deprecated `num_bits`."""
+    if precision is not None:
+        precision = precision_name(precision, warn=warn)
+    if num_bits is None:
+        return precision or "int8"
+    if (
+        isinstance(num_bits, bool)
+        or not isinstance(num_bits, int)
+        or not 2 <= num_bits <= 8
+    ):
+        raise ValueError(
+            "`num_bits` must be an integer in [2, 8] (TensorRT runs 8). "
+            f"Received: num_bits={num_bits!r}"
+        )
+    by_bits = f"int{num_bits}"
+    if not warn and precision not in (None, "int8"):
+        return precision  # saved with its default num_bits=8
+    if not warn:
+        return by_bits  # saved as precision="int8", num_bits=n
+    if precision is not None and FORMATS[precision].bits != num_bits:
+        raise ValueError(
+            "`precision` and `num_bits` name different formats: pass "
+            f"`precision` alone. Received: precision={precision!r}, "
+            f"num_bits={num_bits!r}"
+        )
+    by_bits = precision or by_bits
+    spelled = f"precision={by_bits!r}"
+    if by_bits == "int4" and precision is None:
+        spelled += ", block_size=None"
+    warnings.warn(
+        "`QuantizeConfig(num_bits=)` is deprecated and will be removed in "
+        "the next release: the format is chosen by `precision` alone; use "
+        f"{spelled}.",
+        DeprecationWarning,
+        stacklevel=4,
+    )
+    return by_bits
+
+
+def _block_size_of(precision, block_size):
+    """`block_size` checked against `precision`'s block-scaled form."""
+    row = FORMATS[precision]
+    if block_size is _DEFAULT_BLOCK or (
+        block_size is None and row.kind == "block"
+    ):
+        return row.block_sizes[0] if row.block else None
+    if block_size is None:
+        return None
+    if not row.block:
+        raise ValueError(
+            "`block_size` is for the block-scaled precisions "
+            f"({', '.join(repr(p) for p in BLOCK_PRECISIONS)}). Received: "
+            f"precision={precision!r}, block_size={block_size!r}"
+        )
+    if block_size not in row.block_sizes:
+        raise ValueError(
+            f"precision={precision!r} takes block_size in "
+            f"{list(row.block_sizes)} (TensorRT builds "
+            f"{list(row.tensorrt_block_sizes)}). Received: "
+            f"block_size={block_size!r}"
+        )
+    return block_size

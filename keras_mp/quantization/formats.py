@@ -18,6 +18,7 @@ import tensorflow as tf
 
 from keras_mp._switch import Switch
 from keras_mp.quantization.blocks import block_format, exact_divide
+from keras_mp.quantization.names import canonical_name
 
 _TRACE = Switch(default=False)
 
@@ -249,9 +250,10 @@ def _unsigned_carrier(fmt, x, amax, axis, narrow_range):
 
 # FP8 E4M3 as TensorRT and ONNX define it (FLOAT8E4M3FN: no infinities,
 # largest finite 448): Q/DQ at opset >= 19, where the zero point's type
-# selects FP8 in TensorRT's ONNX parser (`docs/quantization.md`).
+# selects FP8 in TensorRT's ONNX parser (`docs/quantization.md`). Named as
+# Keras names its FP8 mode (`names.py`).
 _FP8_E4M3 = NumberFormat(
-    name="fp8",
+    name="float8",
     kind="float",
     bits=8,
     qmax=448.0,
@@ -297,7 +299,7 @@ def _block_row(name, bits, qmax, storage):
 
 
 # Every format a quantizer accepts, by name. The int rows are the widths
-# `QuantizeConfig(num_bits=...)` accepts; TensorRT runs int8 and fp8, and
+# `QuantizeConfig(precision=...)` accepts; TensorRT runs int8 and float8, and
 # the block-scaled int4 (weights), nvfp4 and mxfp8.
 FORMATS = types.MappingProxyType(
     {
@@ -324,12 +326,17 @@ def format_of_onnx_type(onnx_type):
     return None
 
 
-def number_format(name_or_bits):
+def number_format(name_or_bits, where="format", warn=True):
     """The `NumberFormat` row of `FORMATS` named `name_or_bits`.
 
     Args:
-        name_or_bits: str, int or `NumberFormat`. A row's name (`"int8"`),
+        name_or_bits: str, int or `NumberFormat`. A row's name (`"int8"`;
+            an old spelling such as `"fp8"` warns, `names.canonical_name`),
             the bits of an int row (`8`), or a row itself (returned as is).
+        where: str. The argument named in messages. Defaults to
+            `"format"`.
+        warn: bool. Warn on an old spelling (False: a saved file's name).
+            Defaults to True.
 
     Returns:
         `NumberFormat`.
@@ -348,7 +355,11 @@ def number_format(name_or_bits):
     key = name_or_bits
     if isinstance(key, int) and not isinstance(key, bool):
         key = f"int{key}"
-    row = FORMATS.get(key) if isinstance(key, str) else None
+    row = None
+    if isinstance(key, str) and key.strip().lower() in FORMATS:
+        row = FORMATS[key.strip().lower()]
+    elif isinstance(key, str):
+        row = FORMATS.get(canonical_name(key, where, warn=warn))
     if row is None:
         raise ValueError(
             f"Unknown number format. Expected one of {list(FORMATS)} (a "

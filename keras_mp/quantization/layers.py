@@ -20,8 +20,8 @@ class QuantizeActivation(TensorQuantizer):
     unless `learned_range=True`.
 
     Args:
-        num_bits: int or None. The int format of that many bits; None for
-            `format` (int8 by default). Defaults to None.
+        num_bits: int or None. Deprecated: pass `format` (`"int8"` by
+            default). Defaults to None.
         learned_range: bool. Train `amax`. Defaults to False.
         **kwargs: `TensorQuantizer` arguments (`format`) and base layer
             arguments (`name`, `dtype`).

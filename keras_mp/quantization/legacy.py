@@ -159,7 +159,7 @@ class QuantizeWrapper(keras.layers.Wrapper):
         self.input_indices = [int(i) for i in self.input_indices]
         self.input_quantizers = [
             QuantizeActivation(
-                num_bits=self.config.num_bits,
+                format=self.config.format,
                 learned_range=self.config.learned_range,
                 name=f"input_{i}",
                 dtype="float32",
@@ -169,7 +169,7 @@ class QuantizeWrapper(keras.layers.Wrapper):
         if self.pointwise_input:
             self.inner_quantizers = [
                 QuantizeActivation(
-                    num_bits=self.config.num_bits,
+                    format=self.config.format,
                     learned_range=self.config.learned_range,
                     name="pointwise_input",
                     dtype="float32",
@@ -229,7 +229,7 @@ class QuantizeWrapper(keras.layers.Wrapper):
                 amax,
                 axis=axis,
                 narrow_range=True,
-                format=self.config.num_bits,
+                format=self.config.format,
             )
             mapping.append((kernel, back(q)))
         return mapping

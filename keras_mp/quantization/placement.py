@@ -228,7 +228,7 @@ def layer_format(layer, config):
     does a layer other than Dense/EinsumDense asked for INT4."""
     if config.blocked and not _gemm_layer(layer):
         return "int8", _blocked_note(config)
-    if config.precision == "fp8" and _is_conv(layer):
+    if config.precision == "float8" and _is_conv(layer):
         reason = _no_fp8_conv(layer)
         if reason:
             return "int8", reason
@@ -240,7 +240,7 @@ def weight_axes(layer, weight, config):
     `per_channel`, except for FP8 convolutions (per tensor), else `()`."""
     if not config.per_channel:
         return ()
-    if layer_format(layer, config)[0] == "fp8" and _is_conv(layer):
+    if layer_format(layer, config)[0] == "float8" and _is_conv(layer):
         return ()
     return weight.out_axes
 
@@ -366,7 +366,7 @@ def fixed_range(fmt, matmul_input):
     """The range of an attention matmul input no calibration changes, or
     None: an FP8 softmax output (`"probs"`, in [0, 1]) takes the fixed
     scale 1/448 of ModelOpt's FP8 transformer recipe (range 1.0)."""
-    if fmt == "fp8" and matmul_input == "probs":
+    if fmt == "float8" and matmul_input == "probs":
         return 1.0
     return None
 

@@ -17,7 +17,12 @@ import tensorflow as tf
 
 from keras_mp import _keras
 from keras_mp._compat import require_tensorflow
-from keras_mp.quantization.formats import FORMATS, number_format, tracing
+from keras_mp.quantization.formats import (
+    FORMATS,
+    NumberFormat,
+    number_format,
+    tracing,
+)
 from keras_mp.quantization.quantizers import (
     block_amax,
     block_fake_quant,
@@ -66,8 +71,9 @@ class TensorQuantizer(keras.layers.Layer):
             Defaults to False.
         track_range: bool. Set `amax` to `max|x|` at every training step.
             Defaults to False.
-        num_bits: int or None. The int row of that many bits: the same as
-            `format=num_bits`. Defaults to None.
+        num_bits: int or None. Deprecated: pass `format` (`num_bits=8` is
+            `format="int8"`); a `DeprecationWarning` names it. Files saved
+            with `num_bits` load silently. Defaults to None.
         fixed_range: float or None. A range that neither calibration nor
             training changes (an FP8 softmax output: 1.0, scale 1/448).
             Defaults to None.
@@ -83,7 +89,8 @@ class TensorQuantizer(keras.layers.Layer):
         **kwargs: Base layer arguments (`name`, `dtype`).
 
     Raises:
-        ValueError: an unknown format, a learned range that is per
+        ValueError: an unknown format, `format` and `num_bits` naming
+            different formats, a learned range that is per
             channel, narrow or tracked, or a block size the format does
             not take (or with `out_axes`, a learned or a fixed range).
 
@@ -238,6 +245,19 @@ class TensorQuantizer(keras.layers.Layer):
     def compute_output_shape(self, input_shape):
         return input_shape
 
+    @classmethod
+    def from_config(cls, config):
+        # Files name the format by its name at save time ("fp8", or
+        # `num_bits` before the format table): load them silently.
+        config = dict(config)
+        bits = config.pop("num_bits", None)
+        name = config.get("format")
+        if name is None and bits is not None:
+            name = bits
+        if name is not None and not isinstance(name, NumberFormat):
+            config["format"] = number_format(name, warn=False)
+        return cls(**config)
+
     def get_config(self):
         config = super().get_config()
         config.update(
@@ -254,7 +274,8 @@ class TensorQuantizer(keras.layers.Layer):
 
 
 def _resolve_format(format, num_bits):
-    """The `NumberFormat` of `format` or `num_bits` (int8 when neither)."""
+    """The `NumberFormat` of `format` or the deprecated `num_bits` (int8
+    when neither)."""
     if num_bits is None:
         return number_format("int8" if format is None else format)
     try:
@@ -270,6 +291,13 @@ def _resolve_format(format, num_bits):
             "`format` and `num_bits` name different formats: pass one. "
             f"Received: format={format!r}, num_bits={num_bits!r}"
         )
+    warnings.warn(
+        f"`num_bits` is deprecated and will be removed in the next release: "
+        f"the format is chosen by `format` alone; use "
+        f"format={by_bits.name!r}.",
+        DeprecationWarning,
+        stacklevel=4,
+    )
     return by_bits
 
 

@@ -159,7 +159,7 @@ class QuantizationReport:
             index, or by name: `pointwise_input`, `input_query`,
             `attention_probs`, ...), `weights` (per-channel range min/max
             by weight), `format` (a quantized layer's number format:
-            `"int8"`, `"fp8"`, `"int4"`, ...), `block_size` (values per
+            `"int8"`, `"float8"`, `"int4"`, ...), `block_size` (values per
             block of a block-scaled weight, else None), `note`.
 
     Until the next release the report also reads as the list of rows it

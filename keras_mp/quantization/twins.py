@@ -37,8 +37,8 @@ class WeightQuantizer(TensorQuantizer):
     Args:
         out_axes: tuple of int. The weight's output-channel axes; `()` for
             one range per tensor. Defaults to `()`.
-        num_bits: int or None. The int format of that many bits; None for
-            `format` (int8 by default). Defaults to None.
+        num_bits: int or None. Deprecated: pass `format` (`"int8"` by
+            default). Defaults to None.
         **kwargs: `TensorQuantizer` arguments (`format`) and base layer
             arguments (`name`).
 

@@ -5,7 +5,10 @@ graph copy of `QuantizeWrapper` layers, an annotated one of
 `QuantizeAnnotate` layers (their load-only classes: `legacy.py`), and a
 MuPPET model of `FixedPointWrapper` layers (`keras_mp.muppet.legacy`).
 Files of the `RecordedModel` era need no upgrade: their record is applied
-on load (op sites of hand-written twins included, `recipe.py`).
+on load (op sites of hand-written twins included, `recipe.py`); nor do
+files of the `QuantizedModel` / `SparseModel` containers (they load as a
+`RecordedModel`) or configs with old format names (`"fp8"`, `num_bits`:
+read silently, `names.py`).
 """
 
 from keras_mp import _models, _record
@@ -31,8 +34,10 @@ def upgrade(model):
     an annotated model, a float model whose layers carry the annotation,
     ready for `keras_mp.quantize_apply`. A MuPPET model of `FixedPointWrapper`
     layers comes back as `keras_mp.fixed_point_model` makes it today
-    (`keras_mp.muppet.upgrade_fixed_point`: fixed-point layers in place,
-    same word length, weights and switching state).
+    (fixed-point layers in place, same word length, weights and switching
+    state). Files of the `QuantizedModel` and `SparseModel` containers, and
+    configs naming formats the old way (`"fp8"`, `num_bits`), load in the
+    current form: they need no upgrade, only saving again.
 
     Args:
         model: a `keras.Model` loaded from an old `.keras` file.
@@ -63,7 +68,10 @@ def upgrade(model):
             f"`upgrade`: model {model.name!r} holds no QuantizeWrapper, "
             "QuantizeAnnotate or FixedPointWrapper layer of an earlier "
             "keras_mp: there is nothing to upgrade. A float model is "
-            "quantized with `keras_mp.quantize_model(model)`."
+            "quantized with `keras_mp.quantize_model(model)`; a file of the "
+            "QuantizedModel or SparseModel container, or one naming formats "
+            "the old way ('fp8', num_bits), already loads in the current "
+            "form (save it again to write it so)."
         )
     if twins.quantized_layers(model):
         raise ValueError(

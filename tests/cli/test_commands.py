@@ -323,7 +323,8 @@ BAD_CLI = [
             "--precisions",
             "int4",
         ],
-        "precisions` must be a non-empty tuple",
+        r"precisions=\)` must be one of \['int8', 'float8'\].*"
+        "Received: precisions='int4'",
     ),
     (
         "sensitivity_quantized_model",
@@ -356,7 +357,7 @@ BAD_CLI = [
             "T4",
             *_onnx_out(d, "--calibrate", f"{d}/x.npy"),
         ],
-        "fp8 cannot run on T4",
+        "float8 cannot run on T4",
     ),
     (
         "auto_quantize_unknown_gpu",
@@ -430,7 +431,7 @@ def test_cli_sensitivity_prints_the_table_and_writes_json_and_plot(
     argv += ["--json", f"{tmp_path}/s.json", "--plot", f"{tmp_path}/s.png"]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
-    assert "gradient score" in out and "conv" in out and "fp8" in out
+    assert "gradient score" in out and "conv" in out and "float8" in out
     raw = json.loads((tmp_path / "s.json").read_text())
     assert raw["method"] == "gradient" and raw["rows"]
     assert (tmp_path / "s.png").stat().st_size > 1000

@@ -2,7 +2,7 @@
 
 import pytest
 
-from keras_mp.muppet import estimate_speedup, precision_unit
+from keras_mp.muppet import GPU_THROUGHPUT, estimate_speedup, precision_unit
 
 
 def test_cost_model_hand_computed():
@@ -18,8 +18,22 @@ def test_cost_model_hand_computed():
 def test_word_lengths_map_to_gpu_units():
     units = [precision_unit(b) for b in (None, 4, 5, 8, 9, 16, 17, 32)]
     assert (
-        units == ["fp32", "int4", "int8", "int8"] + ["fp16"] * 2 + ["fp32"] * 2
+        units
+        == ["float32", "int4", "int8", "int8"]
+        + ["float16"] * 2
+        + ["float32"] * 2
     )
+
+
+def test_a_gpu_row_with_the_old_keys_warns_and_prices_the_same(monkeypatch):
+    old = {
+        ("fp32" if k == "float32" else "fp16" if k == "float16" else k): v
+        for k, v in GPU_THROUGHPUT["t4"].items()
+    }
+    monkeypatch.setitem(GPU_THROUGHPUT, "old_t4", old)
+    with pytest.warns(DeprecationWarning, match="use 'float32'"):
+        got = estimate_speedup([8, 16, None], gpu="old_t4")
+    assert got == estimate_speedup([8, 16, None], gpu="t4")
 
 
 @pytest.mark.parametrize(

@@ -129,7 +129,7 @@ def test_bfloat16_graph_is_refused_with_what_to_compare(
 
 
 def test_fp8_local_step_is_the_spacing_of_the_codes():
-    fp8 = FORMATS["fp8"]
+    fp8 = FORMATS["float8"]
     codes = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn)
     grid = np.unique(np.abs(codes[np.isfinite(codes)].astype(np.float64)))
     assert np.array_equal(np.diff(grid), fp8.local_step(grid[:-1]))
@@ -147,7 +147,7 @@ def fp8_typed(tmp_path_factory):
     hidden = L.Dense(64, name="hidden")(inputs)
     outputs = L.Dense(10)(L.Dense(32, name="mid")(hidden))
     model = keras.Model(inputs, outputs)
-    qmodel = keras_mp.quantize_model(model, precision="fp8")
+    qmodel = keras_mp.quantize_model(model, precision="float8")
     keras_mp.calibrate(qmodel, x, verbose=0)
     path = str(tmp_path_factory.mktemp("fp8") / "fp8.onnx")
     keras_mp.export_onnx(qmodel, path, dtype="float16", verify_data=x)

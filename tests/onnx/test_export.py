@@ -370,14 +370,14 @@ def test_fewer_than_8_bits_is_refused_and_writes_nothing(tmp_path):
     inputs = keras.Input((6,))
     model = keras.Model(inputs, keras.layers.Dense(3, name="fc")(inputs))
     qmodel = keras_mp.quantize_model(
-        model, config=keras_mp.QuantizeConfig(num_bits=4)
+        model, config=keras_mp.QuantizeConfig(precision="int4", block_size=None)
     )
     keras_mp.calibrate(qmodel, x, verbose=0)
     path = tmp_path / "q4.onnx"
     with pytest.raises(
         keras_mp.ExportError,
         match=r"INT8 Q/DQ .* 2 quantizer\(s\) .* fewer bits: "
-        r".*fc.*\(4 bits\).*num_bits=8.*Nothing was written",
+        r".*fc.*\(int4\).*precision=.int8.*Nothing was written",
     ):
         keras_mp.export_onnx(qmodel, path)
     assert os.listdir(tmp_path) == []

@@ -59,7 +59,7 @@ def trained(digits):
 
 def _fp8(model, calibration, config=None):
     qmodel = keras_mp.quantize_model(
-        model, precision=None if config else "fp8", config=config
+        model, precision=None if config else "float8", config=config
     )
     keras_mp.calibrate(qmodel, calibration, verbose=0)
     return qmodel
@@ -133,7 +133,7 @@ def test_fp8_softmax_output_is_exported_with_scale_1_over_448(
 
 def test_int8_and_fp8_layers_mix_in_one_graph(trained, tmp_path):
     models, calibration, test = trained
-    fp8 = keras_mp.QuantizeConfig(precision="fp8")
+    fp8 = keras_mp.QuantizeConfig(precision="float8")
     qmodel = _fp8(models["block"], calibration, config={"mha|fc1": fp8})
     path = str(tmp_path / "mixed.onnx")
     with pytest.warns(UserWarning, match="opset 19"):
@@ -169,7 +169,7 @@ def test_fp8_after_a_recurrent_layer_exports(tmp_path):
         ]
     )
     x = np.random.default_rng(0).integers(0, 50, (16, 10)).astype("int32")
-    qmodel = keras_mp.quantize_model(model, precision="fp8")
+    qmodel = keras_mp.quantize_model(model, precision="float8")
     keras_mp.calibrate(qmodel, x, verbose=0)
     path = str(tmp_path / "lstm.onnx")
     with pytest.warns(UserWarning, match="opset 19"):
@@ -246,7 +246,7 @@ def test_fp8_eager_traced_xla_and_onnx_round_alike(tmp_path):
     in_file = _file_weights(path)
     for name, layout in [("body", (3, 2, 0, 1)), ("fc", (0, 1))]:
         layer = qmodel.get_layer(name)
-        assert layer.weight_quantizers[0].format.name == "fp8"
+        assert layer.weight_quantizers[0].format.name == "float8"
         # tf2onnx names a weight after its op's scope: ".../body_1/..."
         (key,) = [k for k in in_file if re.search(rf"/{name}(_\d+)?/", k)]
 

@@ -23,7 +23,7 @@ FP8 = onnx.TensorProto.FLOAT8E4M3FN
 
 
 def _export(model, x, tmp_path, dtype=None):
-    qmodel = keras_mp.quantize_model(model, precision="fp8")
+    qmodel = keras_mp.quantize_model(model, precision="float8")
     keras_mp.calibrate(qmodel, x, verbose=0)
     path = str(tmp_path / "model.onnx")
     # a 16-bit dtype exports at opset 19 already: no warning then
@@ -173,7 +173,7 @@ def fp8_head():
     inputs = keras.Input((16,))
     x = keras.layers.Dense(16, name="proj")(inputs)
     model = keras.Model(inputs, keras.layers.Dense(16, name="head")(x))
-    qmodel = keras_mp.quantize_model(model, precision="fp8")
+    qmodel = keras_mp.quantize_model(model, precision="float8")
     keras_mp.calibrate(qmodel, np.ones((8, 16), "float32"), verbose=0)
     (scale,) = [
         row[2]

@@ -8,6 +8,7 @@ import pytest
 
 import keras_mp
 from keras_mp.precision.search import lagrangian_configs
+from keras_mp.precision.sensitivity import precision_tuple
 from keras_mp.quantization.twins import quantized_layers
 
 
@@ -68,19 +69,19 @@ def test_the_reported_metric_is_the_returned_models(trained, searched):
     }
     for choice in report.choices:
         for path in choice.layers:
-            got = formats.get(path.rsplit("/", 1)[-1], {"float16"})
-            if choice.precision == "fp8" and got == {"int8"}:
+            got = formats.get(path.rsplit("/", 1)[-1], {"float"})
+            if choice.precision == "float8" and got == {"int8"}:
                 continue  # a thin convolution TensorRT runs in INT8
             assert got == {choice.precision}, (choice, got)
     assert 0.0 <= report.quantized_flops <= 1.0
-    assert report.predicted["float16"] / report.predicted["chosen"] == (
+    assert report.predicted["float"] / report.predicted["chosen"] == (
         pytest.approx(report.speedup_over_fp16)
     )
     assert "predicted speed-up over float16" in str(report)
 
 
 def test_a_loose_budget_takes_the_cheapest_configuration(trained):
-    _, report = _search(trained, max_drop=1.0, precisions=("int8", "float16"))
+    _, report = _search(trained, max_drop=1.0, precisions=("int8", "float"))
     assert min(t["index"] for t in report.tried) == 0
     assert report.tried[0]["cost"] == pytest.approx(report.predicted["chosen"])
     assert report.predicted["chosen"] <= report.predicted["all int8"]
@@ -89,9 +90,9 @@ def test_a_loose_budget_takes_the_cheapest_configuration(trained):
 
 def test_bits_cost_is_weight_bits(trained):
     _, report = _search(trained, max_drop=1.0, cost="bits")
-    weights = {c.name: c.costs["float16"] / 16 for c in report.choices}
+    weights = {c.name: c.costs["float"] / 16 for c in report.choices}
     bits = sum(
-        weights[c.name] * (16 if c.precision == "float16" else 8)
+        weights[c.name] * (16 if c.precision == "float" else 8)
         for c in report.choices
     )
     assert report.effective_bits == pytest.approx(bits / sum(weights.values()))
@@ -113,18 +114,30 @@ def test_the_returned_model_saves_and_loads(trained, searched, tmp_path):
 
 def test_lagrangian_configurations_run_from_cheapest_to_safest():
     options = [
-        {"float16": (0.0, 10.0), "int8": (1.0, 5.0), "fp8": (3.0, 4.0)},
-        {"float16": (0.0, 10.0), "int8": (0.5, 9.0)},
-        {"float16": (0.0, 1.0), "int8": (2.0, 3.0)},  # int8 never pays
+        {"float": (0.0, 10.0), "int8": (1.0, 5.0), "float8": (3.0, 4.0)},
+        {"float": (0.0, 10.0), "int8": (0.5, 9.0)},
+        {"float": (0.0, 1.0), "int8": (2.0, 3.0)},  # int8 never pays
     ]
     configs = lagrangian_configs(options)
-    assert configs[0] == ["fp8", "int8", "float16"]
-    assert configs[-1] == ["float16", "float16", "float16"]
+    assert configs[0] == ["float8", "int8", "float"]
+    assert configs[-1] == ["float", "float", "float"]
     costs = [sum(o[p][1] for o, p in zip(options, c)) for c in configs]
     scores = [sum(o[p][0] for o, p in zip(options, c)) for c in configs]
     assert costs == sorted(costs) and scores == sorted(scores, reverse=True)
-    assert ["int8", "int8", "float16"] in configs  # fp8 -> int8 at lam 0.5
+    assert ["int8", "int8", "float"] in configs  # fp8 -> int8 at lam 0.5
     assert len(configs) == len({tuple(c) for c in configs}) == 4
+
+
+def test_old_precision_spellings_warn_and_name_the_new_ones():
+    allowed = ("int8", "float8", "float")
+    with pytest.warns(DeprecationWarning) as caught:
+        got = precision_tuple(("int8", "fp8", "float16"), allowed, "auto")
+    assert got == ("int8", "float8", "float")
+    messages = [str(w.message) for w in caught]
+    assert any("'fp8' is deprecated" in m and "'float8'" in m for m in messages)
+    assert any("'float16'" in m and "use 'float'" in m for m in messages)
+    with pytest.raises(ValueError, match=r"one of \['int8', 'float8'"):
+        precision_tuple(("int4",), allowed, "auto")
 
 
 @pytest.mark.parametrize(
@@ -134,9 +147,9 @@ def test_lagrangian_configurations_run_from_cheapest_to_safest():
         ({"max_drop": "0.1"}, "max_drop` must be a number >= 0"),
         ({"max_drop": float("nan")}, "max_drop` must be a number >= 0"),
         ({"gpu": "GTX1080"}, "Known GPUs: T4, A100, L4, L40S, H100"),
-        ({"gpu": "T4"}, "fp8 cannot run on T4"),
+        ({"gpu": "T4"}, "float8 cannot run on T4"),
         ({"cost": "energy"}, "`cost` must be one of"),
-        ({"precisions": ("float16",)}, "no quantized format"),
+        ({"precisions": ("float",)}, "no quantized format"),
         ({"metric": lambda y, p: float("nan")}, "not a\\s+finite number"),
     ],
 )
@@ -196,14 +209,14 @@ def test_reasons_tell_ties_from_cheaper_options():
     from keras_mp.precision.search import _choices
 
     row = SensitivityRow("fc", ("fc",), "Dense", {}, {"int8": "int8"})
-    options = [{"float16": (0.0, 2.0), "int8": (3.0, 1.0), "fp8": (1.0, 1.0)}]
-    (tie,) = _choices([row], options, ["fp8"])
+    options = [{"float": (0.0, 2.0), "int8": (3.0, 1.0), "float8": (1.0, 1.0)}]
+    (tie,) = _choices([row], options, ["float8"])
     assert tie.reason == (
         "cheapest option, within the budget (as cheap as int8, and less "
         "sensitive)"
     )
-    options = [{"float16": (0.0, 2.0), "int8": (3.0, 1.0), "fp8": (1.0, 1.5)}]
-    (dearer,) = _choices([row], options, ["fp8"])
+    options = [{"float": (0.0, 2.0), "int8": (3.0, 1.0), "float8": (1.0, 1.5)}]
+    (dearer,) = _choices([row], options, ["float8"])
     assert dearer.reason.startswith("int8 is cheaper but more sensitive")
-    (safe,) = _choices([row], options, ["float16"])
+    (safe,) = _choices([row], options, ["float"])
     assert safe.reason == "too sensitive for the budget (int8 score 3)"

@@ -111,7 +111,7 @@ def test_max_drop_binds_on_a_one_unit_output(trained):
     assert tight.drop <= 0
 
     def quantized(report):
-        return sum(c.precision != "float16" for c in report.choices)
+        return sum(c.precision != "float" for c in report.choices)
 
     assert quantized(tight) < quantized(loose)
 

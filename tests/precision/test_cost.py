@@ -154,7 +154,7 @@ def test_a_quantized_twin_has_the_work_of_its_float_layer():
 def test_a_large_gemm_is_compute_bound_and_int8_twice_as_fast():
     m = k = n = 8192
     big = LayerWork(2 * m * k * n, k * n, m * k, m * n, k, n, "gemm")
-    fp16 = latency(big, "float16", "H100")
+    fp16 = latency(big, "float", "H100")
     assert fp16 == 2 * m * k * n / (989e12)
     int8 = latency(big, "int8", "H100", fused_input=True)
     assert int8 == 2 * m * k * n / (1979e12)
@@ -167,11 +167,11 @@ def test_a_large_gemm_is_compute_bound_and_int8_twice_as_fast():
 def test_a_10_class_head_is_slower_in_int8_than_in_float16(monkeypatch):
     head = _built(L.Dense(10), (None, 128))
     work = layer_work(head, [(64, 128)], [(64, 10)])
-    fp16 = latency(work, "float16", "H100")
+    fp16 = latency(work, "float", "H100")
     # memory bound: 128*10 weights, 64*128 inputs, 64*10 outputs, 2 bytes
     assert fp16 == (1280 + 8192 + 640) * 2 / 3350e9
     assert latency(work, "int8", "H100") > fp16
-    assert latency(work, "fp8", "H100") > fp16
+    assert latency(work, "float8", "H100") > fp16
     # N=10 < 16: even with a fused Q, never faster than float16
     assert latency(work, "int8", "H100", fused_input=True) == fp16
     monkeypatch.setattr(placement, "MIN_GEMM_DIM", 0)
@@ -179,10 +179,10 @@ def test_a_10_class_head_is_slower_in_int8_than_in_float16(monkeypatch):
 
 
 def test_padding_to_tensor_core_tiles():
-    gpu = GPU("Fast memory", {"float16": 1.0, "int8": 2.0}, 1e12, "", "X")
+    gpu = GPU("Fast memory", {"float": 1.0, "int8": 2.0}, 1e12, "", "X")
     work = LayerWork(2 * 1000 * 24 * 40, 0, 0, 0, 24, 40, "gemm")
     # float16 tiles of 8 fit 24 and 40; int8 pads them to 32 and 48
-    assert latency(work, "float16", gpu) == 2 * 1000 * 24 * 40 / 1e12
+    assert latency(work, "float", gpu) == 2 * 1000 * 24 * 40 / 1e12
     assert latency(work, "int8", gpu, fused_input=True) == pytest.approx(
         2 * 1000 * 32 * 48 / 2e12
     )
@@ -192,7 +192,7 @@ def test_an_add_costs_its_bytes():
     add = L.Add()
     work = layer_work(add, [(64, 1000), (64, 1000)], [(64, 1000)])
     assert (work.flops, work.kind, work.gemm_k) == (0, "elementwise", None)
-    assert latency(work, "float16", "L4") == (128000 + 64000) * 2 / 300e9
+    assert latency(work, "float", "L4") == (128000 + 64000) * 2 / 300e9
     int8 = (128000 * 1 + 64000 * 2 + 128000 * 3) / 300e9
     assert latency(work, "int8", "L4") == pytest.approx(int8)
 
@@ -201,7 +201,7 @@ def test_batch_scale_scales_activations_not_weights():
     dense = _built(L.Dense(256), (None, 512))
     at_8 = layer_work(dense, [(8, 512)], [(8, 256)])
     at_64 = layer_work(dense, [(64, 512)], [(64, 256)])
-    for precision in ("float16", "int8"):
+    for precision in ("float", "int8"):
         assert latency(at_8, precision, "A100", batch_scale=8) == (
             pytest.approx(latency(at_64, precision, "A100"), rel=1e-12)
         )
@@ -213,14 +213,14 @@ def test_batch_scale_scales_activations_not_weights():
 def test_fp8_on_a_gpu_without_fp8_names_the_gpus_that_have_it(name):
     with pytest.raises(
         ValueError,
-        match=rf"fp8 cannot run on {name} .*Ada Lovelace, Hopper.*"
-        r"GPUs that run fp8: L4, L40S, H100, H200, B200",
+        match=rf"float8 cannot run on {name} .*Ada Lovelace, Hopper.*"
+        r"GPUs that run float8: L4, L40S, H100, H200, B200",
     ):
-        check_precisions(name, ["int8", "fp8"])
+        check_precisions(name, ["int8", "float8"])
     work = LayerWork(0, 0, 10, 10, None, None, "elementwise")
-    with pytest.raises(ValueError, match="fp8 cannot run"):
-        latency(work, "fp8", name)
-    check_precisions(name, ["float16", "int8"])
+    with pytest.raises(ValueError, match="float8 cannot run"):
+        latency(work, "float8", name)
+    check_precisions(name, ["float", "int8"])
 
 
 def test_unknown_gpu_and_precision():
@@ -231,23 +231,40 @@ def test_unknown_gpu_and_precision():
         "H200, B200",
     ):
         gpu_spec("V100")
-    with pytest.raises(ValueError, match=r"Unknown precision: 'bf16'"):
+    with pytest.raises(
+        ValueError,
+        match=r"one of \['float', 'int8', 'float8'\].*precision='bf16'",
+    ):
         check_precisions("H100", ["bf16"])
+
+
+def test_old_precision_spellings_warn_and_name_the_new_ones():
+    work = LayerWork(0, 0, 10, 10, None, None, "elementwise")
+    with pytest.warns(DeprecationWarning, match="use 'float8'"):
+        assert latency(work, "fp8", "H100") == latency(work, "float8", "H100")
+    with pytest.warns(DeprecationWarning, match="use 'float'"):
+        assert check_precisions("T4", ["float16", "int8"]) == (
+            "float",
+            "int8",
+        )
+    with pytest.warns(DeprecationWarning, match="'float16' is deprecated"):
+        gpu = GPU("Old", {"float16": 1.0, "fp8": 2.0}, 1e12, "", "Ada")
+    assert gpu.peak == {"float": 1.0, "float8": 2.0}
 
 
 def test_fp8_conv_with_3_input_channels_is_priced_as_int8():
     # FP8 four times INT8 and no memory limit: the formats differ clearly
     gpu = GPU(
-        "Test", {"float16": 1.0, "int8": 2.0, "fp8": 8.0}, 1e12, "", "Ada"
+        "Test", {"float": 1.0, "int8": 2.0, "float8": 8.0}, 1e12, "", "Ada"
     )
     stem = _built(L.Conv2D(64, 3, padding="same"), (None, 32, 32, 3))
     work = layer_work(stem, [(8, 32, 32, 3)], [(8, 32, 32, 64)])
     assert "3 channels" in work.no_fp8
-    assert latency(work, "fp8", gpu) == latency(work, "int8", gpu)
+    assert latency(work, "float8", gpu) == latency(work, "int8", gpu)
     body = _built(L.Conv2D(64, 3, padding="same"), (None, 32, 32, 64))
     work = layer_work(body, [(8, 32, 32, 64)], [(8, 32, 32, 64)])
     assert work.no_fp8 == ""
-    assert latency(work, "fp8", gpu) < latency(work, "int8", gpu)
+    assert latency(work, "float8", gpu) < latency(work, "int8", gpu)
 
 
 def test_effective_bits_of_a_mixed_choice():
@@ -255,15 +272,15 @@ def test_effective_bits_of_a_mixed_choice():
     head = _built(L.Dense(10), (None, 64))
     add = L.Add()
     choice = [
-        (layer_work(fc, [(8, 32)], [(8, 64)]), "fp8"),
-        (layer_work(head, [(8, 64)], [(8, 10)]), "float16"),
+        (layer_work(fc, [(8, 32)], [(8, 64)]), "float8"),
+        (layer_work(head, [(8, 64)], [(8, 10)]), "float"),
         (layer_work(add, [(8, 10), (8, 10)], [(8, 10)]), "int8"),
     ]
-    assert bits_cost(choice[0][0], "fp8") == 2048 * 8
+    assert bits_cost(choice[0][0], "float8") == 2048 * 8
     assert effective_bits(choice) == (2048 * 8 + 640 * 16) / (2048 + 640)
     with pytest.raises(ValueError, match="at least one layer with weights"):
         effective_bits(choice[2:])
-    with pytest.raises(ValueError, match="Unknown precision: 'int4'"):
+    with pytest.raises(ValueError, match="Received: precision='int4'"):
         bits_cost(choice[0][0], "int4")
 
 
@@ -280,8 +297,8 @@ def test_calls_of_a_shared_layer_add_up():
     assert effective_bits([(both, "int8")]) == 8.0
     weights_again = 512 * 2 / H100.bandwidth / 1e9
     one_call = layer_work(dense, [(16, 16)], [(16, 32)])
-    assert latency(both, "float16", H100) == pytest.approx(
-        latency(one_call, "float16", H100) + weights_again
+    assert latency(both, "float", H100) == pytest.approx(
+        latency(one_call, "float", H100) + weights_again
     )
     other = layer_work(_built(L.Dense(8), (None, 16)), [(4, 16)], [(4, 8)])
     with pytest.raises(ValueError, match="sums the calls of one layer"):
@@ -313,7 +330,7 @@ def test_gpu_table_matches_the_docs_page():
         name: (
             {
                 p: float(v.replace(",", ""))
-                for p, v in zip(("float16", "int8", "fp8"), values)
+                for p, v in zip(("float", "int8", "float8"), values)
                 if v != "-"
             },
             float(bandwidth.replace(",", "")),
@@ -326,7 +343,7 @@ def test_gpu_table_matches_the_docs_page():
     }
     # dense, not sparse: 8-bit peaks are twice float16's, never four times
     for gpu in GPUS.values():
-        for precision in ("int8", "fp8"):
+        for precision in ("int8", "float8"):
             if precision in gpu.peak:
-                ratio = gpu.peak[precision] / gpu.peak["float16"]
+                ratio = gpu.peak[precision] / gpu.peak["float"]
                 assert math.isclose(ratio, 2.0, rel_tol=0.02), gpu.name

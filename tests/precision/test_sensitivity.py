@@ -199,10 +199,10 @@ def test_fp8_on_a_thin_convolution_is_scored_as_int8(trained):
     rows = list(report.rows)
     thin = [r for r in rows if r.work.kind == "conv" and r.work.gemm_k == 9]
     assert len(thin) == 1  # the 1-channel stem: no FP8 kernel in TensorRT
-    assert thin[0].formats == {"int8": "int8", "fp8": "int8"}
-    assert thin[0].scores["fp8"] == pytest.approx(thin[0].scores["int8"])
-    wide = [r for r in rows if r.formats["fp8"] == "fp8"]
-    assert wide and all(r.scores["fp8"] != r.scores["int8"] for r in wide)
+    assert thin[0].formats == {"int8": "int8", "float8": "int8"}
+    assert thin[0].scores["float8"] == pytest.approx(thin[0].scores["int8"])
+    wide = [r for r in rows if r.formats["float8"] == "float8"]
+    assert wide and all(r.scores["float8"] != r.scores["int8"] for r in wide)
     # most sensitive first
     top = [max(r.scores.values()) for r in rows]
     assert top == sorted(top, reverse=True)
@@ -237,7 +237,7 @@ def test_report_table_dict_and_plot(trained, tmp_path):
         models["mlp"], x, y, num_batches=1, calibration_batches=2, verbose=0
     )
     table = str(report)
-    assert "hidden" in table and "logits" in table and "fp8" in table
+    assert "hidden" in table and "logits" in table and "float8" in table
     raw = json.loads(json.dumps(report.to_dict()))
     assert [r["name"] for r in raw["rows"]] == [r.name for r in report.rows]
     assert raw["rows"][0]["work"]["flops"] > 0

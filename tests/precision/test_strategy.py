@@ -40,7 +40,7 @@ def test_scores_and_choices_match_the_single_device_model(
     got, want = choice.sensitivity, want_choice.sensitivity
     assert [r.name for r in got.rows] == [r.name for r in want.rows]
     for a, b in zip(got.rows, want.rows):
-        for p in ("int8", "fp8"):
+        for p in ("int8", "float8"):
             assert a.scores[p] == pytest.approx(b.scores[p], rel=1e-4)
     assert [c.precision for c in choice.choices] == [
         c.precision for c in want_choice.choices

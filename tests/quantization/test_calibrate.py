@@ -93,7 +93,9 @@ def test_four_bit_layers_get_four_bit_ranges(method):
     x = x.astype(np.float32)
     ranges = {}
     for bits in (8, 4):
-        config = keras_mp.QuantizeConfig(num_bits=bits)
+        config = keras_mp.QuantizeConfig(
+            precision=f"int{bits}", block_size=None
+        )
         qmodel = keras_mp.quantize_model(cnn(), config=config)
         report = keras_mp.calibrate(qmodel, x, method=method, verbose=0)
         ranges[bits] = report.ranges

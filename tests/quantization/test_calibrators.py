@@ -120,15 +120,17 @@ def test_fp8_entropy_groups_bins_by_the_fp8_grid():
     range's FP8 error is no worse than the max's."""
     calibrator = EntropyCalibrator()
     calibrator.collect(X)
-    fp8 = calibrator.compute_amax("fp8")
+    fp8 = calibrator.compute_amax("float8")
     int8 = calibrator.compute_amax(8)
     assert fp8 != int8
     assert calibrator.quantization_error(
-        number_format("fp8"), fp8
-    ) <= calibrator.quantization_error(number_format("fp8"), float(ABS.max()))
+        number_format("float8"), fp8
+    ) <= calibrator.quantization_error(
+        number_format("float8"), float(ABS.max())
+    )
 
 
-@pytest.mark.parametrize("fmt", [8, "fp8"])
+@pytest.mark.parametrize("fmt", [8, "float8"])
 def test_auto_picks_the_least_error_candidate(fmt):
     """Heavy-tailed data (a Laplace sample, where max clips badly): auto's
     range has the least error of every method's, measured independently

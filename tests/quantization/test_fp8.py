@@ -12,7 +12,7 @@ from keras_mp.quantization import FORMATS
 from keras_mp.quantization.calibrate import activation_quantizers
 from keras_mp.quantization.quantizers import fake_quant
 
-FP8 = FORMATS["fp8"]
+FP8 = FORMATS["float8"]
 
 
 def test_fp8_rounding_is_e4m3_bit_for_bit_and_saturates():
@@ -21,7 +21,7 @@ def test_fp8_rounding_is_e4m3_bit_for_bit_and_saturates():
         [rng.normal(0, 3, 4000), [1.0625, -1.0625, 500.0, -1e6, 2e-3, 0.0]]
     ).astype(np.float32)
     amax = np.float32(10.0)
-    got = fake_quant(tf.constant(x), amax, format="fp8").numpy()
+    got = fake_quant(tf.constant(x), amax, format="float8").numpy()
     scale = amax / np.float32(448)
     want = (
         np.clip(x / scale, -448, 448).astype(ml_dtypes.float8_e4m3fn)
@@ -31,10 +31,10 @@ def test_fp8_rounding_is_e4m3_bit_for_bit_and_saturates():
         -10.0
     )
     # 1.0625 lies halfway between E4M3's 1.0 and 1.125: ties go to even
-    tie = fake_quant(tf.constant([1.0625]), np.float32(448), format="fp8")
+    tie = fake_quant(tf.constant([1.0625]), np.float32(448), format="float8")
     assert float(tie[0]) == 1.0
     xla = tf.function(jit_compile=True)(
-        lambda v: fake_quant(v, amax, format="fp8")
+        lambda v: fake_quant(v, amax, format="float8")
     )(tf.constant(x))
     np.testing.assert_array_equal(xla.numpy(), got)
 
@@ -160,7 +160,7 @@ def test_fp8_gradient_is_straight_through_inside_the_range():
     x = tf.constant([-20.0, -5.0, 0.3, 5.0, 20.0])
     with tf.GradientTape() as tape:
         tape.watch(x)
-        y = tf.reduce_sum(fake_quant(x, 10.0, format="fp8"))
+        y = tf.reduce_sum(fake_quant(x, 10.0, format="float8"))
     grad = tape.gradient(y, x).numpy()
     np.testing.assert_array_equal(grad, [0, 1, 1, 1, 0])
 
@@ -182,11 +182,11 @@ def _formats(qmodel):
 
 
 def test_precision_fp8_follows_tensorrt_conv_rules():
-    formats = _formats(keras_mp.quantize_model(_cnn(), precision="fp8"))
+    formats = _formats(keras_mp.quantize_model(_cnn(), precision="float8"))
     # a 3-channel first convolution has no FP8 kernel: INT8, said so
     assert formats["stem"][0] == "int8"
     assert "FP8 asked, INT8 here" in formats["stem"][1]
-    assert {formats[n][0] for n in ("body", "fc", "head")} == {"fp8"}
+    assert {formats[n][0] for n in ("body", "fc", "head")} == {"float8"}
     assert "INT8 here" not in formats["body"][1]
 
 
@@ -194,17 +194,17 @@ def test_precision_per_layer_mixes_int8_fp8_and_float():
     qmodel = keras_mp.quantize_model(
         _cnn(),
         config={
-            "fc": keras_mp.QuantizeConfig(precision="fp8"),
+            "fc": keras_mp.QuantizeConfig(precision="float8"),
             "head": keras_mp.QuantizeConfig(skip=True),
         },
     )
     formats = _formats(qmodel)
     assert formats["stem"][0] == formats["body"][0] == "int8"
-    assert formats["fc"][0] == "fp8" and "head" not in formats
+    assert formats["fc"][0] == "float8" and "head" not in formats
 
 
 def test_fp8_conv_weights_are_per_tensor_gemm_weights_per_channel():
-    qmodel = keras_mp.quantize_model(_cnn(), precision="fp8")
+    qmodel = keras_mp.quantize_model(_cnn(), precision="float8")
     body, fc = qmodel.get_layer("body"), qmodel.get_layer("fc")
     assert body.weight_quantizers[0].out_axes == ()
     assert fc.weight_quantizers[0].out_axes == (-1,)
@@ -214,7 +214,7 @@ def test_fp8_conv_weights_are_per_tensor_gemm_weights_per_channel():
     "kwargs, match",
     [
         ({"precision": "fp16"}, "`precision` must be one of"),
-        ({"precision": "fp8", "num_bits": 4}, "`num_bits` is for int"),
+        ({"precision": "float8", "num_bits": 4}, "name different formats"),
     ],
 )
 def test_bad_precision_is_a_clear_error(kwargs, match):
@@ -223,7 +223,7 @@ def test_bad_precision_is_a_clear_error(kwargs, match):
 
 
 def test_fp8_survives_keras_round_trip_with_safe_mode(tmp_path):
-    qmodel = keras_mp.quantize_model(_cnn(), precision="fp8")
+    qmodel = keras_mp.quantize_model(_cnn(), precision="float8")
     x = np.random.default_rng(1).random((16, 8, 8, 3)).astype("float32")
     keras_mp.calibrate(qmodel, x, verbose=0)
     path = str(tmp_path / "fp8.keras")
@@ -236,7 +236,9 @@ def test_fp8_survives_keras_round_trip_with_safe_mode(tmp_path):
 def test_fp8_attention_softmax_output_keeps_its_fixed_scale():
     inputs = keras.Input((8, 32))
     out = keras.layers.MultiHeadAttention(2, 16, name="mha")(inputs, inputs)
-    qmodel = keras_mp.quantize_model(keras.Model(inputs, out), precision="fp8")
+    qmodel = keras_mp.quantize_model(
+        keras.Model(inputs, out), precision="float8"
+    )
     x = np.random.default_rng(2).normal(size=(8, 8, 32)).astype("float32")
     keras_mp.calibrate(qmodel, x, verbose=0)
     ranges = {
@@ -259,7 +261,7 @@ def _block():
 def test_fp8_qat_calibrates_and_fits_under_mirrored_strategy(mirrored_strategy):
     x = np.random.default_rng(3).normal(size=(32, 8, 32)).astype("float32")
     with mirrored_strategy.scope():
-        qmodel = keras_mp.quantize_model(_block(), precision="fp8")
+        qmodel = keras_mp.quantize_model(_block(), precision="float8")
         qmodel.compile(keras.optimizers.SGD(1e-2), "mse")
     keras_mp.calibrate(qmodel, x, verbose=0)
     ranges = activation_quantizers(qmodel)

@@ -37,7 +37,7 @@ def test_int4_blocks_gemm_weights_and_mixes_with_int8_and_fp8():
         precision="int4",
         config={
             "fc1": keras_mp.QuantizeConfig(precision="int4", block_size=128),
-            "fc2": keras_mp.QuantizeConfig(precision="fp8"),
+            "fc2": keras_mp.QuantizeConfig(precision="float8"),
         },
     )
     keras_mp.calibrate(qmodel, _data(), verbose=0)
@@ -49,7 +49,9 @@ def test_int4_blocks_gemm_weights_and_mixes_with_int8_and_fp8():
     # a convolution asked for INT4 takes INT8, input Q/DQ included
     assert rows["conv"]["format"] == "int8" and list(rows["conv"]["inputs"])
     assert "INT4 asked, INT8 here" in rows["conv"]["note"]
-    assert rows["fc2"]["format"] == "fp8" and rows["fc2"]["block_size"] is None
+    assert (
+        rows["fc2"]["format"] == "float8" and rows["fc2"]["block_size"] is None
+    )
     # the kernel is fake-quantized in blocks of 128 along K, as ONNX reads it
     fc1 = qmodel.get_layer("fc1")
     kernel = np.asarray(fc1.kernel)

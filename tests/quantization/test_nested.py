@@ -232,7 +232,9 @@ def test_config_and_selection_by_container_name():
     qmodel = keras_mp.quantize_model(
         _block_model(),
         layers="block",
-        config={"block": keras_mp.QuantizeConfig(num_bits=4)},
+        config={
+            "block": keras_mp.QuantizeConfig(precision="int4", block_size=None)
+        },
     )
     (layer,) = twins.quantized_layers(qmodel)
     assert layer.quantize_path == "block/" + layer.name
@@ -431,7 +433,7 @@ class _Interrupt(keras.callbacks.Callback):
 
 
 @pytest.mark.slow  # three quantize + fit runs
-@pytest.mark.parametrize("precision", ["int8", "fp8"])
+@pytest.mark.parametrize("precision", ["int8", "float8"])
 def test_backup_and_restore_resumes_qat_bit_for_bit(tmp_path, precision):
     x, y = _x(), np.zeros((32, 3))
 

@@ -7,6 +7,7 @@ XLA, and a format added as one row of a copy of the table.
 """
 
 import functools
+import warnings
 
 import keras
 import numpy as np
@@ -60,17 +61,20 @@ def test_int8_row():
 
 def test_int_rows_are_the_widths_quantize_config_accepts():
     assert list(FORMATS) == [f"int{b}" for b in range(2, 9)] + [
-        "fp8",
+        "float8",
         "nvfp4",
         "mxfp8",
     ]
     for bits in range(2, 9):
-        QuantizeConfig(num_bits=bits)
+        QuantizeConfig(precision=f"int{bits}")
         row = number_format(bits)
         assert row is FORMATS[f"int{bits}"]
         assert (row.qmin, row.qmax) == (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
-    # The ONNX export writes the rows TensorRT runs: int8 and fp8.
-    assert [r.name for r in FORMATS.values() if r.onnx_type] == ["int8", "fp8"]
+    # The ONNX export writes the rows TensorRT runs: int8 and float8.
+    assert [r.name for r in FORMATS.values() if r.onnx_type] == [
+        "int8",
+        "float8",
+    ]
 
 
 def test_number_format_lookup():
@@ -79,9 +83,13 @@ def test_number_format_lookup():
     assert number_format(row) is row
     for bad in ("fp16", 16, True, 8.0, None):
         with pytest.raises(
-            ValueError, match=r"'int2', .* 'int8', 'fp8', 'nvfp4', 'mxfp8'\]"
+            ValueError, match=r"'int2', .* 'int8', 'float8', 'nvfp4', 'mxfp8'\]"
         ):
             number_format(bad)
+    with pytest.warns(DeprecationWarning, match="use 'float8'"):
+        assert number_format("fp8") is FORMATS["float8"]
+    with pytest.warns(DeprecationWarning, match="use 'float8'"):
+        assert TensorQuantizer(format="fp8").format is FORMATS["float8"]
 
 
 def test_a_row_must_be_symmetric_and_of_a_known_kind():
@@ -97,7 +105,7 @@ def test_a_row_must_be_symmetric_and_of_a_known_kind():
 def test_activation_per_tensor_bit_for_bit():
     x = RNG.normal(size=(4, 6, 5)).astype(np.float32) * 3
     for bits in (8, 4):
-        q = _built(keras_mp.QuantizeActivation(num_bits=bits), (), 2.5)
+        q = _built(keras_mp.QuantizeActivation(format=bits), (), 2.5)
         assert not q.narrow_range and q.out_axes == ()
         np.testing.assert_array_equal(
             q(x).numpy(), reference_qdq(x, 2.5, num_bits=bits)
@@ -227,8 +235,10 @@ def test_argument_errors():
         TensorQuantizer(out_axes=(-1,), learned_range=True)
     with pytest.raises(ValueError, match="narrow_range=True"):
         WeightQuantizer(learned_range=True, track_range=False)
-    assert TensorQuantizer(num_bits=4).format is FORMATS["int4"]
-    assert TensorQuantizer(format="int4", num_bits=4).num_bits == 4
+    with pytest.warns(DeprecationWarning, match="use format='int4'"):
+        assert TensorQuantizer(num_bits=4).format is FORMATS["int4"]
+    with pytest.warns(DeprecationWarning, match="use format='int4'"):
+        assert TensorQuantizer(format="int4", num_bits=4).num_bits == 4
 
 
 def test_first_batch_range_is_the_global_max_under_mirrored_strategy(
@@ -297,6 +307,12 @@ def test_configs_saved_before_the_format_table_load():
     config = weight.get_config()
     assert config["format"] == "int4" and "num_bits" not in config
     assert WeightQuantizer.from_config(config).get_config() == config
+    # "fp8", the FP8 row's name before the vocabulary, loads silently.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fp8 = WeightQuantizer.from_config(dict(config, format="fp8"))
+    assert fp8.format is FORMATS["float8"]
+    assert fp8.get_config()["format"] == "float8"
 
 
 def test_fake_quant_compiles_with_xla():

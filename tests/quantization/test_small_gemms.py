@@ -17,7 +17,7 @@ def _mlp():
     return keras.Model(inputs, keras.layers.Dense(10, name="head")(x))
 
 
-@pytest.mark.parametrize("precision", ["int8", "fp8"])
+@pytest.mark.parametrize("precision", ["int8", "float8"])
 def test_a_10_class_head_stays_float_with_a_reason(precision):
     qmodel = keras_mp.quantize_model(_mlp(), precision=precision)
     rows = {
