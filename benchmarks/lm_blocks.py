@@ -117,9 +117,21 @@ def block_quantized(path, fmt, method, calibration, inputs):
     return model, written
 
 
-# keras_mp's block formats through `quantize_model`, `calibrate` and
-# `export_onnx`: (label, precision, calibration method).
+# keras_mp's formats through `quantize_model`, `calibrate` and
+# `export_onnx`: (label, precision, calibration method). INT8 and FP8
+# quantize the blocks' GEMM inputs and attention matmuls too (calibrated
+# by max); the block formats are weight-only.
 PIPELINE_ROWS = [
+    (
+        "keras_mp INT8 quantize_model + calibrate max + export_onnx",
+        "int8",
+        "max",
+    ),
+    (
+        "keras_mp FP8 quantize_model + calibrate max + export_onnx",
+        "float8",
+        "max",
+    ),
     (
         "keras_mp INT4 quantize_model + export_onnx (blocks of 128)",
         "int4",
@@ -144,10 +156,10 @@ def pipeline_row(
     path, label, precision, method, calibration, inputs, perplexity
 ):
     """A row of the LM benchmark: the cached model at `path` quantized by
-    keras_mp's own pipeline, the transformer blocks' kernels weight-only
-    in `precision` (its default blocks), GPTQ or AWQ (`calibrate`'s
-    `method`) on `inputs(calibration)` when `method` is `"gptq"` or
-    `"awq"`, exported to ONNX (parity against Keras on four windows: ONNX
+    keras_mp's own pipeline, the transformer blocks in `precision` (a
+    block format's default blocks, weight-only), calibrated on
+    `inputs(calibration)` by `method` when the model has activation
+    ranges (INT8, FP8) or `method` is `"gptq"` or `"awq"`, exported to ONNX (parity against Keras on four windows: ONNX
     Runtime for INT4, `onnx.reference` for NVFP4 and MXFP8) beside the
     float32 model; `perplexity(model)` of the quantized Keras model, both
     file sizes, the `trtexec` command of the file and, for INT4, the size
@@ -162,8 +174,12 @@ def pipeline_row(
     qmodel = keras_mp.quantize_model(
         model, layers="transformer_layer_.*", precision=precision
     )
-    if method in ("gptq", "awq"):
-        keras_mp.calibrate(qmodel, inputs(calibration), method=method)
+    from keras_mp.quantization import activation_quantizers
+
+    if method != "max" or activation_quantizers(qmodel):
+        keras_mp.calibrate(
+            qmodel, inputs(calibration), method=method, verbose=0
+        )
     seconds = time.perf_counter() - start
     with tempfile.TemporaryDirectory() as directory:
         onnx_path = os.path.join(directory, f"{precision}-{method}.onnx")
