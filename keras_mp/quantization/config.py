@@ -15,8 +15,9 @@ from keras_mp.quantization.formats import FORMATS
 # runs (int8 stands for the int rows of `num_bits`), weights and inputs;
 # the precision search and sensitivity analysis choose among these.
 PRECISIONS = ("int8", "fp8")
-# The block-scaled, weight-only precisions (int4 is the int4 row's blocked
-# form): `QuantizeConfig` takes them; the precision search does not yet.
+# The block-scaled precisions (int4 is the int4 row's blocked form, weight
+# only; nvfp4 and mxfp8 quantize inputs too unless `weights_only`):
+# `QuantizeConfig` takes them; the precision search does not yet.
 BLOCK_PRECISIONS = ("int4", "nvfp4", "mxfp8")
 # Other names of those precisions, lowercase: FP8 is E4M3 (TensorRT's FP8
 # Q/DQ, the ONNX FLOAT8E4M3FN zero point).
@@ -73,7 +74,11 @@ class QuantizeConfig:
             stay float (TensorRT runs INT4 on MatMul/Gemm weights only).
             `"nvfp4"` (E2M1 codes, FP8 scales per 16, Blackwell) and
             `"mxfp8"` (E4M3 codes, E8M0 scales per 32) are placed the same
-            way, weight-only. Defaults to `"int8"`.
+            way, and quantize the Dense/EinsumDense input too (W4A4, W8A8),
+            per block along K at run time as TensorRT's DynamicQuantize
+            does (NVFP4's per-tensor input range from `keras_mp.calibrate`;
+            exported with `dtype="float16"` or `"bfloat16"`). Defaults to
+            `"int8"`.
         num_bits: int. Bits of an int precision's weights and activations
             (2..8; TensorRT runs 8). Defaults to 8.
         per_channel: bool. Per-channel weight ranges (on the output-channel
@@ -105,12 +110,17 @@ class QuantizeConfig:
             block along K; int4: 128, 64 or 32 (TensorRT takes 64 and 128),
             nvfp4: 16, mxfp8: 32. K must be a multiple of it. Defaults to
             None (the precision's first size).
+        weights_only: bool or None. For `"nvfp4"` and `"mxfp8"`: True
+            quantizes the weights only (W4A16, W8A16), the input stays in
+            the layer's float dtype. `"int4"` is always weight-only.
+            Defaults to None (int4: True; nvfp4, mxfp8: False).
 
     Raises:
         ValueError: `num_bits` is not an integer in [2, 8], an unknown
             `precision`, `precision="fp8"` with `num_bits` other than 8,
-            or a `block_size` without a block-scaled precision or not one
-            of its sizes.
+            a `block_size` without a block-scaled precision or not one
+            of its sizes, or `weights_only` with another precision than
+            nvfp4 / mxfp8 (or False with int4).
 
     Example:
 
@@ -131,6 +141,7 @@ class QuantizeConfig:
     precision: str = "int8"
     small_gemms: bool = False
     block_size: int = None
+    weights_only: bool = None
 
     def __post_init__(self):
         if not isinstance(self.num_bits, int) or not 2 <= self.num_bits <= 8:
@@ -146,6 +157,17 @@ class QuantizeConfig:
                 f"num_bits={self.num_bits!r}"
             )
         row = FORMATS[self.format]
+        if self.weights_only is None and self.blocked:
+            self.weights_only = row.weight_only
+        if self.weights_only is not None and (
+            not self.blocked or (row.weight_only and not self.weights_only)
+        ):
+            raise ValueError(
+                "`weights_only` chooses between W4A4/W8A8 and weight-only "
+                "for precision='nvfp4' or 'mxfp8' ('int4' is weight-only). "
+                f"Received: precision={self.precision!r}, "
+                f"weights_only={self.weights_only!r}"
+            )
         if not self.blocked:
             if self.block_size is not None:
                 raise ValueError(
@@ -165,10 +187,18 @@ class QuantizeConfig:
 
     @property
     def blocked(self):
-        """Whether the precision is block-scaled and weight-only (int4,
-        nvfp4, mxfp8; not `num_bits=4`, the per-channel int4 of
-        simulation)."""
-        return self.precision != "int8" and FORMATS[self.format].weight_only
+        """Whether the precision is block-scaled (int4, nvfp4, mxfp8; not
+        `num_bits=4`, the per-channel int4 of simulation)."""
+        return (
+            self.precision != "int8"
+            and FORMATS[self.format].block is not None
+        )
+
+    @property
+    def block_inputs(self):
+        """Whether a Dense/EinsumDense input is quantized in the block
+        format too (nvfp4, mxfp8 without `weights_only`)."""
+        return self.blocked and not self.weights_only
 
     @property
     def format(self):
