@@ -135,8 +135,16 @@ PIPELINE_ROWS = [
         "int4",
         "awq",
     ),
-    ("keras_mp NVFP4 quantize_model + export_onnx", "nvfp4", "max"),
-    ("keras_mp MXFP8 quantize_model + export_onnx", "mxfp8", "max"),
+    (
+        "keras_mp NVFP4 W4A4 quantize_model + calibrate + export_onnx float16",
+        "nvfp4",
+        "max",
+    ),
+    (
+        "keras_mp MXFP8 W8A8 quantize_model + export_onnx float16",
+        "mxfp8",
+        "max",
+    ),
 ]
 
 
@@ -144,8 +152,9 @@ def pipeline_row(
     path, label, precision, method, calibration, inputs, perplexity
 ):
     """A row of the LM benchmark: the cached model at `path` quantized by
-    keras_mp's own pipeline, the transformer blocks' kernels weight-only
-    in `precision` (its default blocks), GPTQ or AWQ (`calibrate`'s
+    keras_mp's own pipeline, the transformer blocks' kernels in
+    `precision` (its default blocks; INT4 weight-only, NVFP4 and MXFP8
+    with their inputs, exported as a float16 graph), GPTQ or AWQ (`calibrate`'s
     `method`) on `inputs(calibration)` when `method` is `"gptq"` or
     `"awq"`, exported to ONNX (parity against Keras on four windows: ONNX
     Runtime for INT4, `onnx.reference` for NVFP4 and MXFP8) beside the
@@ -162,14 +171,17 @@ def pipeline_row(
     qmodel = keras_mp.quantize_model(
         model, layers="transformer_layer_.*", precision=precision
     )
-    if method in ("gptq", "awq"):
+    if method in ("gptq", "awq") or precision == "nvfp4":
+        # NVFP4 inputs: the global scale from the calibrated range
         keras_mp.calibrate(qmodel, inputs(calibration), method=method)
     seconds = time.perf_counter() - start
     with tempfile.TemporaryDirectory() as directory:
         onnx_path = os.path.join(directory, f"{precision}-{method}.onnx")
         float_path = os.path.join(directory, "float32.onnx")
+        # NVFP4/MXFP8 inputs: TensorRT's DynamicQuantize, 16-bit graphs
+        dtype = None if precision == "int4" else "float16"
         parity = keras_mp.export_onnx(
-            qmodel, onnx_path, verify_data=inputs(calibration[:4])
+            qmodel, onnx_path, verify_data=inputs(calibration[:4]), dtype=dtype
         )
         keras_mp.export_onnx(model, float_path)
         command = keras_mp.trtexec_command(onnx_path)
