@@ -101,9 +101,7 @@ def markers(model):
             "quantizers; the export tells at most 1024 apart. Quantize "
             "some layers' weights only. Nothing was written."
         )
-    with dynamic_markers(
-        {id(q): _marker(k) for k, (_, q) in enumerate(found)}
-    ):
+    with dynamic_markers({id(q): _marker(k) for k, (_, q) in enumerate(found)}):
         yield
 
 
@@ -146,12 +144,13 @@ def write_dynamic_quantizers(model_proto, model, dtype):
         float_input = quant.input[0]
         for node in graph.node:  # the moved ops read the float values
             for i, name in enumerate(node.input):
-                if name == quant.output[0] and node.op_type != "DequantizeLinear":
+                if (
+                    name == quant.output[0]
+                    and node.op_type != "DequantizeLinear"
+                ):
                     node.input[i] = float_input
         for k, dq in enumerate(dqs):
-            readers = [
-                n for n in graph.node if dq.output[0] in n.input
-            ]
+            readers = [n for n in graph.node if dq.output[0] in n.input]
             x = float_input if dq.input[0] == quant.output[0] else dq.input[0]
             at = list(graph.node).index(dq)
             graph.node.remove(dq)
@@ -406,7 +405,9 @@ def mxfp8_dynamic_quantize(x, axis=-1, block_size=32):
     inverse = np.ldexp(np.float64(1.0), -exponent)
     v = np.clip(xb * inverse, -448.0, 448.0).astype(np.float32)
     codes = v.astype(ml_dtypes.float8_e4m3fn)
-    scales = np.ldexp(np.float64(1.0), exponent).astype(ml_dtypes.float8_e8m0fnu)
+    scales = np.ldexp(np.float64(1.0), exponent).astype(
+        ml_dtypes.float8_e8m0fnu
+    )
     shape = np.moveaxis(np.asarray(x), axis, -1).shape
     return (
         _unblock(codes, shape, axis),

@@ -190,8 +190,7 @@ class QuantizeConfig:
         """Whether the precision is block-scaled (int4, nvfp4, mxfp8; not
         `num_bits=4`, the per-channel int4 of simulation)."""
         return (
-            self.precision != "int8"
-            and FORMATS[self.format].block is not None
+            self.precision != "int8" and FORMATS[self.format].block is not None
         )
 
     @property

@@ -84,7 +84,10 @@ def _dq_graph(precision, x, amax):
     )
     proto = helper.make_model(
         graph,
-        opset_imports=[helper.make_opsetid("", 24), helper.make_opsetid("trt", 1)],
+        opset_imports=[
+            helper.make_opsetid("", 24),
+            helper.make_opsetid("trt", 1),
+        ],
     )
     return reference_evaluator(proto).run(None, {"x": x})[0]
 
@@ -125,7 +128,10 @@ def test_quantize_calibrate_export_float16_matches_keras(precision, tmp_path):
     assert report.runtime == "onnx.reference"
     assert report.rel_l2 < 0.05 and "DynamicQuantize" in str(report)
     proto = onnx.load(tmp_path / "q.onnx")
-    op = {"nvfp4": "TRT_FP4DynamicQuantize", "mxfp8": "TRT_MXFP8DynamicQuantize"}
+    op = {
+        "nvfp4": "TRT_FP4DynamicQuantize",
+        "mxfp8": "TRT_MXFP8DynamicQuantize",
+    }
     dynamic = [n for n in proto.graph.node if n.op_type == op[precision]]
     assert len(dynamic) == 3 and all(n.domain == "trt" for n in dynamic)
     opset = {o.domain: o.version for o in proto.opset_import}
