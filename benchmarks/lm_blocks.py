@@ -147,8 +147,16 @@ PIPELINE_ROWS = [
         "int4",
         "awq",
     ),
-    ("keras_mp NVFP4 quantize_model + export_onnx", "nvfp4", "max"),
-    ("keras_mp MXFP8 quantize_model + export_onnx", "mxfp8", "max"),
+    (
+        "keras_mp NVFP4 W4A4 quantize_model + calibrate + export_onnx float16",
+        "nvfp4",
+        "max",
+    ),
+    (
+        "keras_mp MXFP8 W8A8 quantize_model + export_onnx float16",
+        "mxfp8",
+        "max",
+    ),
 ]
 
 
@@ -156,11 +164,13 @@ def pipeline_row(
     path, label, precision, method, calibration, inputs, perplexity
 ):
     """A row of the LM benchmark: the cached model at `path` quantized by
-    keras_mp's own pipeline, the transformer blocks in `precision` (a
-    block format's default blocks, weight-only), calibrated on
-    `inputs(calibration)` by `method` when the model has activation
-    ranges (INT8, FP8) or `method` is `"gptq"` or `"awq"`, exported to ONNX (parity against Keras on four windows: ONNX
-    Runtime for INT4, `onnx.reference` for NVFP4 and MXFP8) beside the
+    keras_mp's own pipeline, the transformer blocks in `precision` (INT8
+    and FP8 with their inputs and attention matmuls; INT4 weight-only,
+    NVFP4 and MXFP8 with their inputs, exported as a float16 graph),
+    calibrated on `inputs(calibration)` by `method` when the model has
+    activation ranges or `method` is `"gptq"` or `"awq"`, exported to
+    ONNX (parity against Keras on four windows: ONNX Runtime for INT8,
+    FP8 and INT4, `onnx.reference` for NVFP4 and MXFP8) beside the
     float32 model; `perplexity(model)` of the quantized Keras model, both
     file sizes, the `trtexec` command of the file and, for INT4, the size
     of the `.keras` file after `keras_mp.pack_weights`."""
@@ -184,8 +194,10 @@ def pipeline_row(
     with tempfile.TemporaryDirectory() as directory:
         onnx_path = os.path.join(directory, f"{precision}-{method}.onnx")
         float_path = os.path.join(directory, "float32.onnx")
+        # NVFP4/MXFP8 inputs: TensorRT's DynamicQuantize, 16-bit graphs
+        dtype = "float16" if precision in ("nvfp4", "mxfp8") else None
         parity = keras_mp.export_onnx(
-            qmodel, onnx_path, verify_data=inputs(calibration[:4])
+            qmodel, onnx_path, verify_data=inputs(calibration[:4]), dtype=dtype
         )
         keras_mp.export_onnx(model, float_path)
         command = keras_mp.trtexec_command(onnx_path)

@@ -11,9 +11,11 @@ size from the weight and scale shapes), scales of the weight's shape with
 opset >= 21; NVFP4 (FLOAT4E2M1 codes, blocks of 16, its scales a
 DequantizeLinear of FP8 E4M3 block scales, opset 23) and MXFP8
 (FLOAT8E4M3FN codes, FLOAT8E8M0 scales, blocks of 32, opset 24) alike.
-The activation stays float here (weight-only), so the INT8 rules on
-zero-point type, scale type, per-channel axes and partial quantization do
-not apply to these nodes (`is_blocked`).
+The INT8 rules on zero-point type, scale type, per-channel axes and
+partial quantization do not apply to these nodes (`is_blocked`). NVFP4 and
+MXFP8 activations are TensorRT's trt-domain DynamicQuantize
+(`dynamic_blocks`, ModelOpt's export), blocked DQs of its outputs: their
+input must be float16 or bfloat16 and their blocks of 16 / 32.
 """
 
 import numpy as np
@@ -35,8 +37,9 @@ def rule_blocks(graph, finding):
     """Findings (made by `finding(rule, node, message)`) for each blocked
     DequantizeLinear of `graph` (a `rules.LintGraph`) TensorRT would not
     build."""
+    yield from _dynamic_findings(graph, finding)
     for node in graph.qdq:
-        if not is_blocked(node):
+        if not is_blocked(node) or _from_dynamic(graph, node):
             continue
         name, block = graph.name(node), attr(node, "block_size", 0)
         dtype = graph.dtypes.get(node.input[0])
@@ -79,6 +82,53 @@ def rule_blocks(graph, finding):
             problems += _shape_problems(graph, node, use, block)
         for problem in problems:
             yield finding("blocks", name, problem + ".")
+
+
+_DYNAMIC_ROWS = {
+    "TRT_FP4DynamicQuantize": "nvfp4",
+    "TRT_MXFP8DynamicQuantize": "mxfp8",
+}
+
+
+def _from_dynamic(graph, node):
+    """Whether DequantizeLinear `node` reads a DynamicQuantize's codes."""
+    producer = graph.producers.get(node.input[0])
+    return producer is not None and producer.op_type in _DYNAMIC_ROWS
+
+
+def _dynamic_findings(graph, finding):
+    """TensorRT's DynamicQuantize takes float16/bfloat16 input (ModelOpt
+    casts to FP16 first) in the format's one block size, along the last
+    axis."""
+    for node in graph.nodes:
+        name = _DYNAMIC_ROWS.get(node.op_type)
+        if name is None:
+            continue
+        row, label = FORMATS[name], name.upper()
+        dtype = graph.dtypes.get(node.input[0])
+        block = attr(node, "block_size", 0)
+        problems = []
+        if dtype not in (10, 16):
+            problems.append(
+                f"{node.op_type} input of element type {dtype}: TensorRT "
+                "quantizes float16 or bfloat16 activations dynamically; "
+                "export with dtype='float16' or 'bfloat16'"
+            )
+        if block not in row.tensorrt_block_sizes:
+            problems.append(
+                f"block_size={block}: TensorRT builds {label} blocks of "
+                f"{' or '.join(map(str, row.tensorrt_block_sizes))}"
+            )
+        if attr(node, "axis", -1) != -1:
+            problems.append(
+                f"axis={attr(node, 'axis', -1)}: keras_mp and ModelOpt "
+                "block the GEMM input along its last axis (-1)"
+            )
+        opset = row.block_format.min_opset
+        if graph.opset < opset:
+            problems.append(f"opset {graph.opset}: {label} needs {opset}")
+        for problem in problems:
+            yield finding("blocks", graph.name(node), problem + ".")
 
 
 def _scale_shape(graph, tensor):

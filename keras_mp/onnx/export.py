@@ -12,7 +12,7 @@ from keras_mp import _inputs
 from keras_mp._compat import optional_import, require_tensorflow
 from keras_mp._models import check_model
 from keras_mp.io import atomic_path
-from keras_mp.onnx import blocked, retype
+from keras_mp.onnx import blocked, dynamic_blocks, retype
 from keras_mp.onnx import fp16 as onnx_fp16
 from keras_mp.onnx.convert import function_to_onnx
 from keras_mp.onnx.errors import ExportError
@@ -104,6 +104,8 @@ def _check_exportable(model):
         name
         for name, q in quantizers.items()
         if not 0 < float(q.amax.numpy()) < np.inf
+        # MXFP8 activations: scales from each block alone, no range
+        and not (q.dynamic_blocks and not q.format.block_format.global_scale)
     ]
     if problems:
         raise ExportError(
@@ -315,11 +317,14 @@ def export_onnx(
     check_tolerances(min_top1_agreement, max_rel_l2)
     path = _check_path(path, overwrite)
     _check_exportable(model)
+    dynamic_blocks.check_dtype(model, dtype)
     if verify_data is not None:
         verify_data = verify_inputs(model, verify_data)
     traced = float32_twin(model) if half_compute_dtype(model) else model
     serve = _trace(traced)
     carried, blocked_opset = retype.min_opset(traced), blocked.min_opset(traced)
+    dynamic = dynamic_blocks.min_opset(traced)
+    blocked_opset = max(blocked_opset, dynamic)
     needed = max(carried, blocked_opset)
     if needed > opset:
         kinds = " and ".join(
@@ -344,7 +349,7 @@ def export_onnx(
         # a second trace in which FP8 quantizers write carriers tf2onnx
         # converts, and block-scaled weights stay float (`blocked.py`);
         # `serve` (the real rounding) stays for parity
-        with onnx_trace():
+        with onnx_trace(), dynamic_blocks.markers(traced):
             exported = _trace(traced)
     proto = function_to_onnx(
         exported,
@@ -352,8 +357,11 @@ def export_onnx(
         opset=min(opset, _TF2ONNX_MAX_OPSET),
         inputs_as_nchw=inputs_as_nchw,
     )
-    if carried:  # FP8 Q/DQ exist from opset 19: retype, then fold
+    if carried or dynamic:  # FP8 Q/DQ exist from opset 19
         proto = onnx_fp16.convert_version(proto, opset)
+    if dynamic:  # NVFP4/MXFP8 activations: TensorRT's DynamicQuantize
+        dynamic_blocks.write_dynamic_quantizers(proto, traced, dtype)
+    if carried:  # retype, then fold
         retype.retype_carriers(proto, traced)
     proto = fold_weight_qdq(proto)
     proto = onnx_fp16.convert_version(proto, opset)

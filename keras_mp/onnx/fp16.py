@@ -14,7 +14,13 @@ from keras_mp.onnx.subnormal import raise_subnormal_scales, raised_message
 
 # Float inputs that ONNX requires to stay float32 whatever the data type:
 # (op_type, input index).
-KEEP_FLOAT32_INPUTS = {("Resize", 2), ("Upsample", 1)}
+KEEP_FLOAT32_INPUTS = {
+    ("Resize", 2),
+    ("Upsample", 1),
+    # NVFP4's global scale: a float32 constant in ModelOpt's export, read
+    # by the DynamicQuantize and the block scales' DequantizeLinear
+    ("TRT_FP4DynamicQuantize", 1),
+}
 _FP16_MAX = float(np.finfo(np.float16).max)
 MIN_OPSET = 19
 # ONNX element type and the name suffix of each 16-bit dtype.
@@ -129,6 +135,12 @@ def _convert_node(node, dtype, keep):
         if node.op_type == "Cast" and attribute.name == "to":
             if attribute.i == FLOAT:
                 attribute.i = half
+        if (  # from E8M0 scales (MXFP8), the type is this attribute
+            node.op_type == "DequantizeLinear"
+            and attribute.name == "output_dtype"
+            and attribute.i == FLOAT
+        ):
+            attribute.i = half
     for sub in subgraphs(node):
         _convert_body(sub, dtype)
 

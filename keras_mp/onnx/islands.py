@@ -232,7 +232,7 @@ def _measure(proto, data, samples):
     graph, on up to `samples` rows of `data` (a list of arrays), run in
     ONNX Runtime with graph optimizations off."""
     onnx = optional_import("onnx")
-    from keras_mp.onnx.parity import ort_session, run_session
+    from keras_mp.onnx.parity import run_session, session_for
 
     exposed = onnx.ModelProto()
     exposed.CopyFrom(proto)
@@ -248,7 +248,7 @@ def _measure(proto, data, samples):
             and value.name in produced
         ):
             exposed.graph.output.append(value)
-    session = ort_session(exposed.SerializeToString(), optimized=False)
+    session = session_for(exposed)  # onnx.reference for NVFP4/MXFP8
     outputs = [o.name for o in session.get_outputs()]
     values = run_session(session, [x[:samples] for x in data], batch_size=16)
     peaks = {

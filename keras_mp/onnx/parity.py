@@ -132,8 +132,10 @@ def ort_session(path, optimized=True):
 _REFERENCE_ONLY_TYPES = frozenset({23, 24})
 REFERENCE_NOTE = (
     "NVFP4/MXFP8 graph: ONNX Runtime 1.32's CPU provider cannot dequantize "
-    "FLOAT4E2M1 or FLOAT8E8M0, so parity is checked with "
-    "onnx.reference.ReferenceEvaluator, and there is no optimized figure"
+    "FLOAT4E2M1 or FLOAT8E8M0 nor run TensorRT's trt-domain "
+    "DynamicQuantize, so parity is checked with "
+    "onnx.reference.ReferenceEvaluator (keras_mp implements the "
+    "DynamicQuantize ops for it), and there is no optimized figure"
 )
 
 
@@ -144,10 +146,15 @@ class ReferenceSession:
 
     def __init__(self, path):
         onnx = optional_import("onnx")
-        from onnx.reference import ReferenceEvaluator
+        from keras_mp.onnx.dynamic_blocks import reference_evaluator
 
-        self.proto = onnx.load(path)
-        self.evaluator = ReferenceEvaluator(self.proto)
+        self.proto = (
+            onnx.load_from_string(path)
+            if isinstance(path, bytes)
+            else onnx.load(path)
+        )
+        # with TensorRT's DynamicQuantize ops (`dynamic_blocks`)
+        self.evaluator = reference_evaluator(self.proto)
         inits = {i.name for i in self.proto.graph.initializer}
         self.inputs = [i for i in self.proto.graph.input if i.name not in inits]
 
@@ -162,10 +169,22 @@ class ReferenceSession:
 
 
 def reference_only(proto):
-    """Whether `proto` holds initializers ONNX Runtime cannot dequantize."""
-    return any(
+    """Whether `proto` holds initializers ONNX Runtime cannot dequantize,
+    or TensorRT's trt-domain DynamicQuantize (NVFP4/MXFP8 activations)."""
+    from keras_mp.onnx.dynamic_blocks import has_dynamic_ops
+
+    return has_dynamic_ops(proto) or any(
         i.data_type in _REFERENCE_ONLY_TYPES for i in proto.graph.initializer
     )
+
+
+def session_for(proto, optimized=False):
+    """An ONNX Runtime session on `proto`, or a `ReferenceSession` when
+    ONNX Runtime cannot run it (`reference_only`)."""
+    data = proto.SerializeToString()
+    if reference_only(proto):
+        return ReferenceSession(data)
+    return ort_session(data, optimized=optimized)
 
 
 def run_session(session, inputs, batch_size=512):

@@ -216,6 +216,97 @@ def block_encode(w, format="int4", block_size=None, axis=0, scale=None):
     return BlockCodes(fmt.name, codes, stored, global_scale, axis, block_size)
 
 
+def block_activation_quantize_dequantize(x, format, amax=None):
+    """Fake-quantizes an activation in NVFP4 or MXFP8, as TensorRT's
+    DynamicQuantize and the DequantizeLinear after it compute it.
+
+    Blocks of the format's size run along the last axis (the K of the GEMM
+    `x` feeds); each block's scale follows from its own values at run time
+    (ModelOpt's "dynamic" input quantizers, exported as
+    `trt::TRT_FP4DynamicQuantize` / `trt::TRT_MXFP8DynamicQuantize`,
+    `modelopt/torch/quantization/export_onnx.py`):
+
+    - NVFP4: a per-tensor global scale `amax / (6 * 448)` from the
+      calibrated range `amax` (1 when 0); per block, `block_amax / 6`
+      divided by it, saturated at 448 and rounded to FP8 E4M3 (1 for an
+      all-zero block; ModelOpt's `_nvfp4_act_qdq_eager`), times the
+      global scale; values rounded to E2M1 on it (a block whose FP8 scale
+      underflows to 0 gives zeros, as the DequantizeLinear of a 0 scale).
+    - MXFP8: the E8M0 scale `2 ** ceil(log2(block_amax / 448))` of
+      ModelOpt's MXFP8 weights (`_mxfp8`); `amax` is not used.
+
+    The gradient is straight-through (everything passes: the scales follow
+    from the data). float16 / bfloat16 are quantized in float32 and cast
+    back.
+
+    Args:
+        x: float tensor whose last axis is static and a multiple of the
+            format's block size (16, 32).
+        format: str or `BlockFormat`. `"nvfp4"` or `"mxfp8"`.
+        amax: float32 scalar. NVFP4: the calibrated per-tensor range.
+
+    Returns:
+        A tensor like `x`.
+
+    Raises:
+        ValueError: a format without activations (`"int4"`) or a last
+            axis the block size does not divide.
+
+    Example:
+
+    >>> x = tf.random.normal((2, 64))
+    >>> block_activation_quantize_dequantize(x, "mxfp8").shape
+    TensorShape([2, 64])
+    """
+    fmt = block_format(format)
+    if fmt.scale_onnx_type == "FLOAT":
+        raise ValueError(
+            f"Block format {fmt.name!r} is weight-only: TensorRT quantizes "
+            "activations dynamically in 'nvfp4' and 'mxfp8' only. "
+            f"Received: format={fmt.name!r}"
+        )
+    fmt, block_size, axis = _check(x, fmt, None, -1, None)
+    dtype = x.dtype
+    x32 = tf.cast(x, tf.float32)
+    amax = tf.cast(0.0 if amax is None else amax, tf.float32)
+
+    @tf.custom_gradient
+    def forward(x):
+        xb = _blocked(x, block_size, axis)
+        block_amax = tf.reduce_max(tf.abs(xb), axis=axis + 1, keepdims=True)
+        if fmt.global_scale:
+            out = _nvfp4_activation(xb, block_amax, amax)
+        else:
+            out = _mxfp8(xb, block_amax, None, axis)
+        return tf.reshape(out.values * out.scale, tf.shape(x)), lambda dy: dy
+
+    return tf.cast(forward(x32), dtype)
+
+
+def activation_global_scale(amax):
+    """NVFP4's per-tensor activation scale `amax / (6 * 448)` as float32
+    (1 when `amax` is 0), the initializer `TRT_FP4DynamicQuantize` reads."""
+    scale = exact_divide(tf.cast(amax, tf.float32), _E2M1_MAX * _FP8_MAX)
+    return tf.where(scale > 0, scale, 1.0)
+
+
+def _nvfp4_activation(xb, block_amax, amax):
+    global_scale = activation_global_scale(amax)
+    per_block = exact_divide(block_amax, _E2M1_MAX)
+    ratio = tf.cast(
+        tf.cast(per_block, tf.float64) / tf.cast(global_scale, tf.float64),
+        tf.float32,
+    )
+    fp8 = tf.dtypes.as_dtype(ml_dtypes.float8_e4m3fn)
+    block = tf.cast(tf.cast(tf.minimum(ratio, _FP8_MAX), fp8), tf.float32)
+    block = tf.where(per_block > 0, block, 1.0)
+    # DequantizeLinear(FP8 block scale, global scale): one float32 product.
+    scale = block * global_scale
+    v = xb / tf.where(scale > 0, scale, 1.0)
+    codes = tf.where(scale > 0, _e2m1(v), 0.0)
+    return _Quantized(codes, scale, block, global_scale)
+
+
 def pack_nibbles(codes):
     """4-bit codes packed two to a byte, as ONNX stores INT4 / FLOAT4E2M1.
 

@@ -17,8 +17,9 @@ from keras_mp.quantization.names import canonical_name
 # runs, weights and inputs; the precision search and sensitivity analysis
 # choose among these.
 PRECISIONS = ("int8", "float8")
-# The block-scaled, weight-only precisions (int4 is the int4 row's blocked
-# form): `QuantizeConfig` takes them; the precision search does not yet.
+# The block-scaled precisions (int4 is the int4 row's blocked form, weight
+# only; nvfp4 and mxfp8 quantize inputs too unless `weights_only`):
+# `QuantizeConfig` takes them; the precision search does not yet.
 BLOCK_PRECISIONS = ("int4", "nvfp4", "mxfp8")
 # `block_size` not given: the precision's first block size if it has a
 # block-scaled form (int4, nvfp4, mxfp8), else None.
@@ -61,7 +62,11 @@ class QuantizeConfig:
             stay float (TensorRT runs INT4 on MatMul/Gemm weights only).
             `"nvfp4"` (E2M1 codes, FP8 scales per 16, Blackwell) and
             `"mxfp8"` (E4M3 codes, E8M0 scales per 32) are placed the same
-            way, weight-only. Defaults to `"int8"`.
+            way, and quantize the Dense/EinsumDense input too (W4A4, W8A8),
+            per block along K at run time as TensorRT's DynamicQuantize
+            does (NVFP4's per-tensor input range from `keras_mp.calibrate`;
+            exported with `dtype="float16"` or `"bfloat16"`). Defaults to
+            `"int8"`.
         per_channel: bool. Per-channel weight ranges (on the output-channel
             axes); False for one range per weight tensor. Defaults to True.
         quantize_inputs: bool or None. Override the layer type's default
@@ -98,12 +103,17 @@ class QuantizeConfig:
             block_size=None`, `num_bits=8` is `precision="int8"`); a
             `DeprecationWarning` names it. Saved configs holding it load
             silently. Defaults to None.
+        weights_only: bool or None. For `"nvfp4"` and `"mxfp8"`: True
+            quantizes the weights only (W4A16, W8A16), the input stays in
+            the layer's float dtype. `"int4"` is always weight-only.
+            Defaults to None (int4: True; nvfp4, mxfp8: False).
 
     Raises:
         ValueError: an unknown `precision`, `num_bits` not an integer in
             [2, 8] or naming another format than `precision`, or a
             `block_size` without a block-scaled precision or not one of
-            its sizes.
+            its sizes, or `weights_only` with another precision than
+            nvfp4 / mxfp8 (or False with int4).
 
     Example:
 
@@ -123,6 +133,7 @@ class QuantizeConfig:
     precision: str = "int8"
     small_gemms: bool = False
     block_size: int = None
+    weights_only: bool = None
 
     def __init__(
         self,
@@ -136,6 +147,7 @@ class QuantizeConfig:
         small_gemms=False,
         block_size=_DEFAULT_BLOCK,
         num_bits=None,
+        weights_only=None,
     ):
         self.skip = skip
         self.per_channel = per_channel
@@ -149,13 +161,22 @@ class QuantizeConfig:
             block_size = None if block_size is _DEFAULT_BLOCK else block_size
         self.precision = _precision_of(precision, num_bits, warn=True)
         self.block_size = _block_size_of(self.precision, block_size)
+        self.weights_only = _weights_only_of(
+            self.precision, self.block_size, weights_only
+        )
 
     @property
     def blocked(self):
-        """Whether the precision is block-scaled and weight-only (int4,
-        nvfp4, mxfp8; not `precision="int4", block_size=None`, the
-        per-channel int4 of simulation)."""
+        """Whether the precision is block-scaled (int4, nvfp4, mxfp8; not
+        `precision="int4", block_size=None`, the per-channel int4 of
+        simulation)."""
         return self.block_size is not None
+
+    @property
+    def block_inputs(self):
+        """Whether a Dense/EinsumDense input is quantized in the block
+        format too (nvfp4, mxfp8 without `weights_only`)."""
+        return self.blocked and not self.weights_only
 
     @property
     def format(self):
@@ -223,6 +244,30 @@ def _precision_of(precision, num_bits, warn):
         stacklevel=4,
     )
     return by_bits
+
+
+def _weights_only_of(precision, block_size, weights_only):
+    """`weights_only` checked against the precision: None for a format
+    without blocks, the row's default when not given."""
+    if block_size is None:
+        if weights_only is not None:
+            raise ValueError(
+                "`weights_only` chooses between W4A4/W8A8 and weight-only "
+                "for precision='nvfp4' or 'mxfp8' ('int4' is weight-only). "
+                f"Received: precision={precision!r}, "
+                f"weights_only={weights_only!r}"
+            )
+        return None
+    row = FORMATS[precision]
+    if weights_only is None:
+        return row.weight_only
+    if row.weight_only and not weights_only:
+        raise ValueError(
+            f"precision={precision!r} is weight-only on TensorRT: its "
+            "inputs stay in the layer's float dtype. Received: "
+            "weights_only=False"
+        )
+    return bool(weights_only)
 
 
 def _block_size_of(precision, block_size):

@@ -35,6 +35,41 @@ def tracing():
     return _TRACE.value
 
 
+_MARKERS = Switch(default={})
+
+
+def dynamic_markers(markers):
+    """While active, each block-scaled activation quantizer (NVFP4/MXFP8,
+    `TensorQuantizer(dynamic_blocks=True)`) in `markers` (`{id(quantizer):
+    float scale}`) traces as `dynamic_carrier`: `export_onnx` finds each
+    carrier by its scale (`keras_mp.onnx.dynamic_blocks`)."""
+    return _MARKERS.set(dict(markers))
+
+
+def dynamic_carrier(quantizer, x):
+    """The ONNX trace's stand-in for a block-scaled activation quantizer:
+    an unsigned 8-bit Q/DQ (tf2onnx writes it) whose scale is the marker
+    `dynamic_markers` gave `quantizer`, far below any quantizer's scale;
+    the export replaces it by TensorRT's DynamicQuantize."""
+    marker = _MARKERS.value.get(id(quantizer))
+    if marker is None:
+        raise ValueError(
+            f"Quantizer {quantizer.name!r} quantizes an activation in "
+            f"{quantizer.format.name!r}, which only `export_onnx` traces "
+            "(it gives each such quantizer a marker)."
+        )
+    return tf.raw_ops.QuantizeAndDequantizeV3(
+        input=x,
+        input_min=tf.constant(0.0),
+        input_max=tf.constant(marker * 255.0, tf.float32),
+        num_bits=8,
+        signed_input=False,
+        range_given=True,
+        narrow_range=False,
+        axis=-1,
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class NumberFormat:
     """A symmetric number format: its grid, rounding and ONNX type.
@@ -279,8 +314,10 @@ def _block_row(name, bits, qmax, storage):
     grids and ModelOpt's scales): MatMul/Gemm weights in blocks of 16
     (FP8 E4M3 scales times a float32 global scale, FLOAT4E2M1 codes,
     opset 23) or 32 (E8M0 scales, FLOAT8E4M3FN codes, opset 24).
-    keras_mp writes the weights only; TensorRT's FP4/MXFP8 activations
-    need a DynamicQuantize, which the export does not write."""
+    Weights and activations (W4A4, W8A8): a Dense/EinsumDense input is
+    quantized per block along K at run time, exported as TensorRT's
+    DynamicQuantize (`keras_mp.onnx.dynamic_blocks`);
+    `QuantizeConfig(weights_only=True)` keeps the input float."""
     return NumberFormat(
         name=name,
         kind="block",
@@ -293,7 +330,6 @@ def _block_row(name, bits, qmax, storage):
         block=name,
         block_sizes=(block_format(name).block_sizes[0],),
         tensorrt_block_sizes=(block_format(name).block_sizes[0],),
-        weight_only=True,
         tensorrt_ops=("MatMul", "Gemm"),
     )
 

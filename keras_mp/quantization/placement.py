@@ -150,7 +150,9 @@ def input_placement(layer, row, config):
     """The input indices of a leaf layer that get a Q/DQ (none for a
     matmul of two activations kept float by `QuantizeConfig(dot=False)`)."""
     placement = row.inputs
-    if config.blocked and (_gemm_layer(layer) or not row.weights):
+    if config.blocked and not row.weights:
+        return []  # TensorRT quantizes block formats into GEMMs only
+    if config.blocked and _gemm_layer(layer) and not config.block_inputs:
         # weight-only: inputs stay in the layer's float dtype (a convolution
         # takes INT8, its input Q/DQ included: `layer_format`)
         return []
@@ -267,11 +269,15 @@ def weight_blocks(layer, weight, config):
 
 def check_blocks(layer, path, config):
     """A ValueError, before anything is quantized, when a Dense or
-    EinsumDense selected for INT4 has a K that `config.block_size` does
-    not divide, naming the layer, K and the block sizes that fit."""
+    EinsumDense selected for a block format has a K that
+    `config.block_size` does not divide, naming the layer, K and the block
+    sizes that fit; with block-scaled inputs (NVFP4/MXFP8), also when the
+    input's last axis is not a summed axis the block size divides."""
     row = quantizable_row(layer)
     if row is None or row.op_sites:
         return
+    if config.block_inputs and _gemm_layer(layer):
+        _check_input_blocks(layer, path, config)
     for weight in row.weights:
         blocks = weight_blocks(layer, weight, config)
         if blocks is None:
@@ -293,6 +299,33 @@ def check_blocks(layer, path, config):
                 "with one of them, or another precision. Nothing was "
                 "quantized."
             )
+
+
+def _check_input_blocks(layer, path, config):
+    """TensorRT's DynamicQuantize blocks the GEMM input along its last axis
+    (ModelOpt exports `axis=-1`): that axis must be summed over (K) and a
+    multiple of the block size."""
+    shape = (layer.get_build_config() or {}).get("input_shape")
+    k = shape[-1] if isinstance(shape, (list, tuple)) and shape else None
+    summed = True
+    if isinstance(layer, keras.layers.EinsumDense):
+        x_spec, kernel_spec, output = layer_table._einsum_parts(layer.equation)
+        summed = x_spec[-1] in kernel_spec and x_spec[-1] not in output
+    if summed and isinstance(k, int) and k % config.block_size == 0:
+        return
+    why = (
+        f"its input's last axis has {k} values, not a multiple of "
+        f"block_size={config.block_size}"
+        if summed
+        else f"its input's last axis is not summed over ({layer.equation!r})"
+    )
+    raise ValueError(
+        f"Layer {path!r}: {config.precision.upper()} quantizes a GEMM input "
+        f"in blocks of {config.block_size} along its last axis at run time "
+        f"(TensorRT's DynamicQuantize), but {why}. Give this layer "
+        f"QuantizeConfig(precision={config.precision!r}, weights_only=True) "
+        "or another precision. Nothing was quantized."
+    )
 
 
 # TensorRT's INT8 and FP8 GEMM kernels are no faster than float when K or N

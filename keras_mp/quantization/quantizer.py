@@ -17,9 +17,11 @@ import tensorflow as tf
 
 from keras_mp import _keras
 from keras_mp._compat import require_tensorflow
+from keras_mp.quantization.blocks import block_activation_quantize_dequantize
 from keras_mp.quantization.formats import (
     FORMATS,
     NumberFormat,
+    dynamic_carrier,
     number_format,
     tracing,
 )
@@ -86,6 +88,13 @@ class TensorQuantizer(keras.layers.Layer):
             (several are merged, in order, as the exported MatMul weight
             merges them); every other axis is an output channel. Defaults
             to `(0,)` (a Dense kernel `(K, N)`).
+        dynamic_blocks: bool. Block-scaled activations (`"nvfp4"`,
+            `"mxfp8"`): each `block_size` values along the input's last
+            axis get a scale from their own values at run time, as
+            TensorRT's DynamicQuantize computes it
+            (`blocks.block_activation_quantize_dequantize`); `amax` is one
+            per-tensor range (NVFP4's global scale `amax / (6 * 448)`,
+            set by `keras_mp.calibrate`). Defaults to False.
         **kwargs: Base layer arguments (`name`, `dtype`).
 
     Raises:
@@ -113,6 +122,7 @@ class TensorQuantizer(keras.layers.Layer):
         fixed_range=None,
         block_size=None,
         block_axes=(0,),
+        dynamic_blocks=False,
         **kwargs,
     ):
         require_tensorflow(f"keras_mp.{type(self).__name__}")
@@ -138,8 +148,23 @@ class TensorQuantizer(keras.layers.Layer):
                 f"track_range=False. Received: fixed_range={fixed_range}"
             )
         self.fixed_range = None if fixed_range is None else float(fixed_range)
+        self.dynamic_blocks = bool(dynamic_blocks)
+        if self.dynamic_blocks and (
+            self.format.kind != "block" or self.out_axes or learned_range
+        ):
+            raise ValueError(
+                "dynamic_blocks=True quantizes an activation in 'nvfp4' or "
+                "'mxfp8' (per-block scales at run time, one per-tensor "
+                "range): it needs one of those formats, out_axes=() and "
+                f"learned_range=False. Received: format={self.format.name!r}"
+                f", out_axes={self.out_axes}, learned_range={learned_range}"
+            )
         self.block_size = check_block_size(
-            self.format, block_size, self.out_axes, learned_range, fixed_range
+            self.format,
+            block_size,
+            self.out_axes,
+            learned_range,
+            fixed_range,
         )
         self.block_axes = tuple(int(a) for a in block_axes)
         self.narrow_range = bool(narrow_range)
@@ -155,7 +180,9 @@ class TensorQuantizer(keras.layers.Layer):
         return self.format.bits
 
     def build(self, input_shape):
-        if self.block_size:
+        if self.dynamic_blocks:
+            shape = ()
+        elif self.block_size:
             shape = block_shape(input_shape, self.block_axes, self.block_size)
         else:
             shape = _num_channels(input_shape, self.out_axes)
@@ -203,7 +230,8 @@ class TensorQuantizer(keras.layers.Layer):
         if training and self.track_range:
             amax = self._amax_of(inputs)
             self.amax.assign(amax)
-        elif training and self.block_size:  # blocks: weights, no strategy
+        elif training and self.block_size and not self.dynamic_blocks:
+            # blocks: weights, no strategy
             calibrated = tf.reduce_any(tf.convert_to_tensor(amax) > 0)
             amax = tf.where(calibrated, amax, self._amax_of(inputs))
             self.amax.assign(amax)
@@ -219,6 +247,14 @@ class TensorQuantizer(keras.layers.Layer):
         quantizers, `twins.QuantizedLayer`)."""
         if self.learned_range:
             out = fake_quant_learned(inputs, amax, self.format)
+        elif self.dynamic_blocks and tracing():
+            # the export's stand-in, found by its scale and replaced by
+            # TensorRT's DynamicQuantize (`onnx/dynamic_blocks.py`)
+            out = dynamic_carrier(self, inputs)
+        elif self.dynamic_blocks:
+            out = block_activation_quantize_dequantize(
+                inputs, self.format.block_format, amax
+            )
         elif self.block_size and tracing():
             # the export's stand-in: the float weight, which the export
             # finds by its values and writes blocked (`onnx/blocked.py`)
@@ -269,6 +305,7 @@ class TensorQuantizer(keras.layers.Layer):
             fixed_range=self.fixed_range,
             block_size=self.block_size,
             block_axes=self.block_axes,
+            dynamic_blocks=self.dynamic_blocks,
         )
         return config
 

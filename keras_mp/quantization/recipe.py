@@ -24,6 +24,7 @@ from keras_mp.quantization import (
     pre_scale,
 )
 from keras_mp.quantization.config import QuantizeConfig
+from keras_mp.quantization.formats import FORMATS
 from keras_mp.quantization.layers import QuantizeActivation, quantizable_row
 from keras_mp.quantization.twins import QuantizedLayer, WeightQuantizer
 
@@ -126,12 +127,18 @@ twin_class_cache_clear = twin_class.cache_clear
 
 def _activation(fmt, config, name, matmul_input=None):
     fixed = placement.fixed_range(fmt, matmul_input)
+    # NVFP4 / MXFP8 inputs: per-block scales at run time, as TensorRT's
+    # DynamicQuantize (one per-tensor range: NVFP4's global scale)
+    dynamic = dict(dynamic_blocks=True, block_size=config.block_size)
     q = QuantizeActivation(
         format=fmt,
         fixed_range=fixed,
-        learned_range=config.learned_range and fixed is None,
+        learned_range=config.learned_range
+        and fixed is None
+        and FORMATS[fmt].kind != "block",
         name=name,
         dtype="float32",
+        **(dynamic if FORMATS[fmt].kind == "block" else {}),
     )
     q.build(())
     return q

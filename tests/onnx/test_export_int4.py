@@ -169,7 +169,9 @@ def test_nvfp4_and_mxfp8_export_checked_with_onnx_reference(
     precision, opset, code_type, scale_type, tmp_path
 ):
     model = _dense_stack()
-    qmodel = keras_mp.quantize_model(model, precision=precision)
+    # weight-only (W4A16 / W8A16): a float32 graph
+    w = keras_mp.QuantizeConfig(precision=precision, weights_only=True)
+    qmodel = keras_mp.quantize_model(model, config={".*": w})
     with pytest.warns(UserWarning, match=f"exported at opset {opset}"):
         report = keras_mp.export_onnx(
             qmodel, tmp_path / "q.onnx", verify_data=_x(8)
@@ -199,7 +201,8 @@ def test_nvfp4_and_mxfp8_export_checked_with_onnx_reference(
 
 @pytest.mark.parametrize("precision", ["int4", "nvfp4"])
 def test_compare_onnx_runs_block_formats(precision, tmp_path):
-    qmodel = keras_mp.quantize_model(_dense_stack(), precision=precision)
+    w = keras_mp.QuantizeConfig(precision=precision, weights_only=True)
+    qmodel = keras_mp.quantize_model(_dense_stack(), config={".*": w})
     with pytest.warns(UserWarning, match="exported at opset"):
         keras_mp.export_onnx(qmodel, tmp_path / "q.onnx")
     report = keras_mp.compare_onnx(qmodel, str(tmp_path / "q.onnx"), _x(8))

@@ -1,0 +1,188 @@
+"""NVFP4 / MXFP8 activations (W4A4, W8A8): TensorRT's DynamicQuantize in
+the ONNX graph, checked with onnx.reference against the Keras fake quant."""
+
+import keras
+import ml_dtypes
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_mp
+
+onnx = pytest.importorskip("onnx")
+pytest.importorskip("tf2onnx")
+
+from onnx import TensorProto, helper, numpy_helper  # noqa: E402
+
+from keras_mp.onnx.dynamic_blocks import reference_evaluator  # noqa: E402
+from keras_mp.quantization.blocks import (  # noqa: E402
+    activation_global_scale,
+    block_activation_quantize_dequantize,
+)
+
+
+def _model(seed=0):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((4, 64))
+    h = keras.layers.Dense(64, name="fc1")(inputs)
+    h = keras.layers.EinsumDense("abc,cd->abd", (4, 32), name="ein")(h)
+    return keras.Model(inputs, keras.layers.Dense(32, name="fc2")(h))
+
+
+def _x(n=8, seed=0):
+    return np.random.default_rng(seed).normal(size=(n, 4, 64)).astype("f4")
+
+
+def _dq_graph(precision, x, amax):
+    """DynamicQuantize + DequantizeLinear(s) as the export writes them,
+    float32 out."""
+    nodes, inits = [], []
+    if precision == "nvfp4":
+        gs = np.float32(activation_global_scale(amax).numpy())
+        inits.append(numpy_helper.from_array(gs, "gs"))
+        nodes = [
+            helper.make_node(
+                "TRT_FP4DynamicQuantize",
+                ["x", "gs"],
+                ["c", "s8"],
+                domain="trt",
+                axis=-1,
+                block_size=16,
+                scale_type=17,
+            ),
+            helper.make_node("DequantizeLinear", ["s8", "gs"], ["s"]),
+            helper.make_node(
+                "DequantizeLinear", ["c", "s"], ["y"], axis=-1, block_size=16
+            ),
+        ]
+    else:
+        nodes = [
+            helper.make_node(
+                "TRT_MXFP8DynamicQuantize",
+                ["x"],
+                ["c", "s"],
+                domain="trt",
+                axis=-1,
+                block_size=32,
+                output_dtype=17,
+            ),
+            helper.make_node(
+                "DequantizeLinear",
+                ["c", "s"],
+                ["y"],
+                axis=-1,
+                block_size=32,
+                output_dtype=TensorProto.FLOAT,
+            ),
+        ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, x.shape)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, x.shape)],
+        initializer=inits,
+    )
+    proto = helper.make_model(
+        graph,
+        opset_imports=[
+            helper.make_opsetid("", 24),
+            helper.make_opsetid("trt", 1),
+        ],
+    )
+    return reference_evaluator(proto).run(None, {"x": x})[0]
+
+
+@pytest.mark.parametrize("precision", ["nvfp4", "mxfp8"])
+def test_fake_quant_equals_reference_dequantization_bit_for_bit(precision):
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(6, 64)) * np.exp(rng.normal(size=(6, 64)) * 3)
+    x = x.astype(np.float16).astype(np.float32)  # a float16 graph's input
+    x[0, :32] = 0.0  # all-zero blocks
+    x[1, :16] = 0.0
+    x[1, 3] = 7.0  # ties: halfway between E2M1 / E4M3 neighbours
+    x[2] = np.float32(1.25) * (np.arange(64) % 7)
+    x[3, :] = 448.0 * 2.0 ** np.arange(-20, 44)[:64].astype(np.float32) / 2**30
+    amax = np.float32(np.max(np.abs(x)) / 3)  # blocks beyond the range too
+    want = _dq_graph(precision, x, amax)
+    eager = block_activation_quantize_dequantize(x, precision, amax).numpy()
+    xla = tf.function(
+        lambda v: block_activation_quantize_dequantize(v, precision, amax),
+        jit_compile=True,
+    )(x).numpy()
+    np.testing.assert_array_equal(eager, want)
+    np.testing.assert_array_equal(xla, want)
+    assert np.isfinite(want).all() and np.any(want != x)
+
+
+@pytest.mark.parametrize("precision", ["nvfp4", "mxfp8"])
+def test_quantize_calibrate_export_float16_matches_keras(precision, tmp_path):
+    qmodel = keras_mp.quantize_model(_model(), precision=precision)
+    rows = {r["path"]: r for r in keras_mp.quantization_report(qmodel).rows}
+    assert rows["fc1"]["format"] == precision and rows["ein"]["inputs"]
+    x = _x()
+    keras_mp.calibrate(qmodel, x, verbose=0)
+    with pytest.warns(UserWarning):
+        report = keras_mp.export_onnx(
+            qmodel, tmp_path / "q.onnx", dtype="float16", verify_data=x
+        )
+    assert report.runtime == "onnx.reference"
+    assert report.rel_l2 < 0.05 and "DynamicQuantize" in str(report)
+    proto = onnx.load(tmp_path / "q.onnx")
+    op = {
+        "nvfp4": "TRT_FP4DynamicQuantize",
+        "mxfp8": "TRT_MXFP8DynamicQuantize",
+    }
+    dynamic = [n for n in proto.graph.node if n.op_type == op[precision]]
+    assert len(dynamic) == 3 and all(n.domain == "trt" for n in dynamic)
+    opset = {o.domain: o.version for o in proto.opset_import}
+    assert opset[""] == (23 if precision == "nvfp4" else 24)
+    assert keras_mp.check_tensorrt(proto).ok
+    # a float32 input or another block size is flagged
+    for node in dynamic:
+        for a in node.attribute:
+            if a.name == "block_size":
+                a.i = 64
+    findings = keras_mp.check_tensorrt(proto).violations
+    assert any("block_size=64" in f.message for f in findings)
+
+
+def test_float32_export_is_refused_before_writing(tmp_path):
+    qmodel = keras_mp.quantize_model(_model(), precision="nvfp4")
+    keras_mp.calibrate(qmodel, _x(), verbose=0)
+    with pytest.raises(keras_mp.ExportError, match="dtype='float16'"):
+        keras_mp.export_onnx(qmodel, tmp_path / "q.onnx")
+    assert not (tmp_path / "q.onnx").exists()
+    # weight-only still exports in float32
+    w4 = keras_mp.QuantizeConfig(precision="nvfp4", weights_only=True)
+    wmodel = keras_mp.quantize_model(
+        _model(), config={"fc1": w4, "ein": w4, "fc2": w4}
+    )
+    with pytest.warns(UserWarning, match="opset 23"):
+        keras_mp.export_onnx(wmodel, tmp_path / "w.onnx")
+
+
+@pytest.mark.parametrize("precision", ["nvfp4", "mxfp8"])
+def test_save_load_safe_mode_and_qat_step(precision, tmp_path):
+    qmodel = keras_mp.quantize_model(_model(), precision=precision)
+    x = _x()
+    keras_mp.calibrate(qmodel, x, verbose=0)
+    qmodel.save(tmp_path / "m.keras")
+    loaded = keras.saving.load_model(tmp_path / "m.keras", safe_mode=True)
+    np.testing.assert_array_equal(np.asarray(loaded(x)), np.asarray(qmodel(x)))
+    before = np.asarray(qmodel.get_layer("fc1").kernel).copy()
+    qmodel.compile(optimizer="sgd", loss="mse")
+    qmodel.fit(x, np.zeros((8, 4, 32), "f4"), epochs=1, verbose=0)
+    assert np.any(np.asarray(qmodel.get_layer("fc1").kernel) != before)
+
+
+def test_k_not_divisible_and_weights_only_config():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((48,))
+    model = keras.Model(inputs, keras.layers.Dense(64, name="fc")(inputs))
+    with pytest.raises(ValueError, match="weights_only=True"):
+        keras_mp.quantize_model(model, precision="mxfp8")
+    with pytest.raises(ValueError, match="weights_only"):
+        keras_mp.QuantizeConfig(precision="int4", weights_only=False)
+    assert keras_mp.QuantizeConfig(precision="int4").weights_only
+    assert not keras_mp.QuantizeConfig(precision="nvfp4").weights_only
+    assert ml_dtypes.float4_e2m1fn  # the codes' type
