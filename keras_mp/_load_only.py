@@ -29,14 +29,16 @@ def loading():
 
 class LoadOnly:
     """Mixin of a load-only class: constructing it outside `loading()`
-    raises a `TypeError` naming `REPLACEMENT`, what new code uses."""
+    raises a `TypeError` naming `REPLACEMENT`, what new code uses, and
+    `HOME`, the module that lists it."""
 
     REPLACEMENT = ""
+    HOME = "keras_mp.legacy"
 
     def __new__(cls, *args, **kwargs):
         if not _LOADING.value:
             raise TypeError(
-                f"keras_mp.legacy.{cls.__name__} is load-only: it is kept so "
+                f"{cls.HOME}.{cls.__name__} is load-only: it is kept so "
                 "that files saved by earlier keras_mp releases load with "
                 f"`keras.saving.load_model`. {cls.REPLACEMENT} A model loaded "
                 "from such a file: `model = keras_mp.upgrade(model)`."

@@ -86,3 +86,14 @@ def test_files_of_earlier_releases_still_load(path):
     name = OLD_FILES[path]
     with pytest.raises(TypeError, match="load-only"):
         getattr(keras_mp.legacy, name)(*_args(name))
+
+
+def test_load_only_twins_refuse_construction():
+    from keras_mp.quantization import legacy_twins, recipe
+
+    twin = recipe.twin_class(keras.layers.MultiHeadAttention, legacy=True)
+    assert issubclass(twin, legacy_twins.QuantizedAttention)
+    with pytest.raises(TypeError, match="load-only.*keras_mp.quantize_model"):
+        twin(num_heads=2, key_dim=4)
+    with pytest.raises(TypeError, match="legacy_twins.QuantizedDot is load"):
+        legacy_twins.QuantizedDot()
