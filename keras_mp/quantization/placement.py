@@ -342,9 +342,10 @@ MIN_GEMM_DIM = 16
 
 def gemm_too_small(k, n):
     """Whether a GEMM with reduction size `k` and `n` output channels is
-    below the small-GEMM rule (`MIN_GEMM_DIM`): the one test placement,
-    the lint (`float_weighted_ops`) and the cost model apply."""
-    return min(k, n) < MIN_GEMM_DIM
+    below the small-GEMM rule (`MIN_GEMM_DIM`; a size None, unknown, is
+    not small): the one test placement, the lint (`float_weighted_ops`)
+    and the cost model apply."""
+    return any(d is not None and d < MIN_GEMM_DIM for d in (k, n))
 
 
 def small_gemm(layer):

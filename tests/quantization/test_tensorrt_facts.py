@@ -175,6 +175,9 @@ def test_small_gemm_rule_is_one_function_for_all_readers(
 
     matmul = helper.make_node("MatMul", ["x", "w"], ["y"])
     assert rules._small_gemm(_Graph(), matmul) is small
+    # a size ONNX shape inference left unknown is not small
+    assert placement.gemm_too_small(None, dim) is small
+    assert not placement.gemm_too_small(None, None)
 
 
 # The layer table's pooling/Concat roles and the lint's ONNX op types: one
