@@ -438,10 +438,10 @@ def placement(path):
 
 def _small_gemms(proto, ops):
     """The MatMul/Gemm nodes of `ops` whose K or N (from ONNX shape
-    inference) is below `placement.MIN_GEMM_DIM`."""
+    inference) is below the small-GEMM rule (`placement.gemm_too_small`)."""
     import onnx
 
-    from keras_mp.quantization.placement import MIN_GEMM_DIM
+    from keras_mp.quantization.placement import gemm_too_small
 
     inferred = onnx.shape_inference.infer_shapes(proto).graph
     shapes = {
@@ -461,7 +461,7 @@ def _small_gemms(proto, ops):
         if not a or not b or len(b) < 2:
             continue
         k, n = a[-1], b[-1]
-        if any(d is not None and d < MIN_GEMM_DIM for d in (k, n)):
+        if gemm_too_small(k, n):
             small.append(op)
     return small
 

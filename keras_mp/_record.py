@@ -12,12 +12,12 @@ import copy
 import dataclasses
 import json
 import os
-import warnings
 
 import keras
 
 from keras_mp import _models, io
 from keras_mp._compat import require_tensorflow
+from keras_mp._load_only import LoadOnly
 
 
 def contents(model):
@@ -363,22 +363,14 @@ class RecordedModel(keras.Model):
         apply_record(model, config["record"])
 
 
-class LoadOnlyContainer(RecordedModel):
+class LoadOnlyContainer(LoadOnly, RecordedModel):
     """Base of the containers of earlier keras_mp releases, kept so that
-    their files load (into a `RecordedModel`). Constructing one still works,
-    with a DeprecationWarning (`REPLACEMENT` says what to use), and it saves
-    as a `RecordedModel`. A subclass reads its own record in
-    `apply_old_record(model, config)`."""
-
-    REPLACEMENT = None
+    their files load (into a `RecordedModel`). Constructing one outside
+    `keras_mp.legacy.loading()` raises a `TypeError` (`REPLACEMENT` says
+    what to use); inside, it saves as a `RecordedModel`. A subclass reads
+    its own record in `apply_old_record(model, config)`."""
 
     def __init__(self, model, *args, **kwargs):
-        warnings.warn(
-            f"`keras_mp.{type(self).__name__}` is load-only: "
-            f"{self.REPLACEMENT} This one saves as a RecordedModel.",
-            DeprecationWarning,
-            stacklevel=2,
-        )
         super().__init__(model, **kwargs)
 
     @classmethod

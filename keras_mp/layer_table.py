@@ -76,6 +76,14 @@ class LayerRow:
         op_sites: bool. Quantized at the op calls of its own code
             (`quantization/op_sites.py`), not by the row's weights and
             inputs.
+        qdq_role: str or None. How TensorRT treats a Q/DQ on the input of
+            this non-weighted layer (`placement.qdq_role` reads it, the
+            lint has the same facts as ONNX op types): `"commuting"` (max
+            pooling: the Q/DQ moves across it), `"same_scale"`
+            (Concatenate: its inputs' DQs move across it only when they
+            share one scale, so its input Q/DQ share one range), `"fused"`
+            (average pooling: an INT8 kernel only when its output is
+            quantized too), or None.
     """
 
     weights: tuple = ()
@@ -90,6 +98,7 @@ class LayerRow:
     attention: bool = False
     matmul: bool = False
     op_sites: bool = False
+    qdq_role: str = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,8 +151,13 @@ _TRANSPOSE = dataclasses.replace(
 )
 # Pooling runs in INT8 when its input is quantized, but TensorRT moves the
 # next layer's Q/DQ across max pooling by itself: off by default (extra Q/DQ
-# only add latency), on with `QuantizeConfig(quantize_inputs=True)`.
-_POOL = LayerRow(quantizable=True, permute=CHANNELWISE)
+# only add latency), on with `QuantizeConfig(quantize_inputs=True)`. Max
+# pooling commutes with quantization; average pooling runs in INT8 only
+# with its output quantized too (`placement.py` has TensorRT's source).
+_MAX_POOL = LayerRow(
+    quantizable=True, permute=CHANNELWISE, qdq_role="commuting"
+)
+_AVERAGE_POOL = dataclasses.replace(_MAX_POOL, qdq_role="fused")
 # Keras' attention layers (MultiHeadAttention and its subclasses,
 # GroupQueryAttention, Attention, AdditiveAttention): their attention
 # matmuls are quantized at their op sites (`op_sites`: the matmuls,
@@ -161,8 +175,10 @@ _OP_SITES_ATTENTION_ROW = LayerRow(
 )
 # TensorRT moves the next weighted layer's input Q backwards across a
 # Concatenate into its producers; Q/DQ on its own inputs only add
-# requantizations: off by default, as for pooling.
-_CONCAT = LayerRow(quantizable=True)
+# requantizations: off by default, as for pooling. Its input DQs move
+# across it only when their scales are equal: its input Q/DQ, when asked
+# for, share one range.
+_CONCAT = LayerRow(quantizable=True, qdq_role="same_scale")
 # A matmul of two activations (DLRM's feature interactions): TensorRT runs
 # it in INT8 when both inputs come from a DQ, as an attention matmul; the
 # matmul of Keras' code is quantized at its op site, after a `normalize`.
@@ -250,16 +266,14 @@ TABLE = {
     L.Add: LayerRow(inputs=SKIP_INPUTS, quantizable=True),
     L.Concatenate: _CONCAT,
     L.Dot: _DOT,
-    # every pooling of every rank: one role, so `quantize_inputs=True`
-    # means the same on each
-    **dict.fromkeys(
-        (
-            getattr(L, f"{kind}Pooling{rank}D")
-            for kind in ("Max", "Average", "GlobalMax", "GlobalAverage")
-            for rank in (1, 2, 3)
-        ),
-        _POOL,
-    ),
+    # every pooling of every rank, global or not: one row per kind, so
+    # `quantize_inputs=True` means the same on each
+    **{
+        getattr(L, f"{kind}Pooling{rank}D"): row
+        for prefix, row in (("Max", _MAX_POOL), ("Average", _AVERAGE_POOL))
+        for kind in (prefix, f"Global{prefix}")
+        for rank in (1, 2, 3)
+    },
     **dict.fromkeys(
         (
             L.Activation,

@@ -103,19 +103,23 @@ def zoo_measured(tmp_path_factory):
 
     Returns a function of the model name giving its row, plus `int8_onnx`:
     the path of the INT8 ONNX `measure` wrote, None when that stage failed.
+    Both test files run the small-GEMM rule as users get it (`gemm_rule`);
+    a measurement is shared only between tests with the same rule.
     """
     from benchmarks.bench_zoo import measure
+    from keras_mp.quantization import placement
 
     rows = {}
 
     def get(name):
-        if name not in rows:
+        key = (name, placement.MIN_GEMM_DIM)
+        if key not in rows:
             directory = tmp_path_factory.mktemp(name)
             row = measure(name, str(directory))
             path = directory / f"{name}_int8.onnx"  # where `measure` puts it
             ok = row["int8_error"] is None and path.exists()
-            rows[name] = {**row, "int8_onnx": str(path) if ok else None}
-        return rows[name]
+            rows[key] = {**row, "int8_onnx": str(path) if ok else None}
+        return rows[key]
 
     return get
 

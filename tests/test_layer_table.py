@@ -23,15 +23,21 @@ _GLOBAL_POOL = {3: L.GlobalAveragePooling1D, 4: L.GlobalAveragePooling2D}
 _GLOBAL_POOL[5] = L.GlobalAveragePooling3D
 
 
+# The head's outputs: 16, the smallest N the small-GEMM rule quantizes
+# (`placement.gemm_too_small`), so that the golden placement test, which
+# runs the rule as users get it, sees a quantized head after each sample.
+HEAD = 16
+
+
 def _around(layer, shape, before=None):
-    """`Input(shape) -> [before] -> layer -> [global pool] -> Dense(4)`:
+    """`Input(shape) -> [before] -> layer -> [global pool] -> Dense(HEAD)`:
     the pool keeps channels, so a permutation can pass through."""
     inputs = keras.Input(shape)
     x = before(inputs) if before is not None else inputs
     x = layer(x)
     if len(x.shape) > 2:
         x = _GLOBAL_POOL[len(x.shape)]()(x)
-    return keras.Model(inputs, L.Dense(4, name="head")(x))
+    return keras.Model(inputs, L.Dense(HEAD, name="head")(x))
 
 
 def _residual(shape):
@@ -39,7 +45,7 @@ def _residual(shape):
     x = L.Conv2D(shape[-1], 3, padding="same", name="conv")(inputs)
     x = L.Add(name="sample")([x, inputs])
     x = L.GlobalAveragePooling2D()(x)
-    return keras.Model(inputs, L.Dense(4, name="head")(x))
+    return keras.Model(inputs, L.Dense(HEAD, name="head")(x))
 
 
 def _concat(shape):
@@ -48,21 +54,21 @@ def _concat(shape):
     b = L.Conv2D(8, 1, name="b")(inputs)
     x = L.Concatenate(name="sample")([a, b])
     x = L.GlobalAveragePooling2D()(x)
-    return keras.Model(inputs, L.Dense(4, name="head")(x))
+    return keras.Model(inputs, L.Dense(HEAD, name="head")(x))
 
 
 def _attention(shape):
     inputs = keras.Input(shape)
-    x = L.MultiHeadAttention(2, 4, name="sample")(inputs, inputs)
+    x = L.MultiHeadAttention(2, 8, name="sample")(inputs, inputs)
     x = L.GlobalAveragePooling1D()(x)
-    return keras.Model(inputs, L.Dense(4, name="head")(x))
+    return keras.Model(inputs, L.Dense(HEAD, name="head")(x))
 
 
 def _grouped_attention(shape):
     inputs = keras.Input(shape)
-    x = L.GroupQueryAttention(4, 4, 2, name="sample")(inputs, inputs)
+    x = L.GroupQueryAttention(8, 4, 2, name="sample")(inputs, inputs)
     x = L.GlobalAveragePooling1D()(x)
-    return keras.Model(inputs, L.Dense(4, name="head")(x))
+    return keras.Model(inputs, L.Dense(HEAD, name="head")(x))
 
 
 def _two_projections(layer):
@@ -71,11 +77,11 @@ def _two_projections(layer):
 
     def make(shape):
         inputs = keras.Input(shape)
-        query = L.Dense(8, name="query")(inputs)
-        value = L.Dense(8, name="value")(inputs)
+        query = L.Dense(16, name="query")(inputs)
+        value = L.Dense(16, name="value")(inputs)
         x = layer(name="sample")([query, value])
         x = L.GlobalAveragePooling1D()(x)
-        return keras.Model(inputs, L.Dense(4, name="head")(x))
+        return keras.Model(inputs, L.Dense(HEAD, name="head")(x))
 
     return make
 
@@ -84,11 +90,11 @@ def _dot(shape):
     """Two projections of one sequence, their `Dot` over features (a
     batched matmul of two activations, as attention's scores)."""
     inputs = keras.Input(shape)
-    a = L.Dense(8, name="a")(inputs)
-    b = L.Dense(8, name="b")(inputs)
+    a = L.Dense(16, name="a")(inputs)
+    b = L.Dense(16, name="b")(inputs)
     x = L.Dot(axes=2, name="sample")([a, b])
     x = L.GlobalAveragePooling1D()(x)
-    return keras.Model(inputs, L.Dense(4, name="head")(x))
+    return keras.Model(inputs, L.Dense(HEAD, name="head")(x))
 
 
 def _pooled(cls, rank):
@@ -143,20 +149,22 @@ SAMPLES = {
         lambda s: _around(L.SeparableConv2D(8, 3, name="sample"), s),
         (8, 8, 8),
     ),
-    L.Dense: (lambda s: _around(L.Dense(8, name="sample"), s), (16,)),
+    L.Dense: (lambda s: _around(L.Dense(16, name="sample"), s), (16,)),
     L.EinsumDense: (
         lambda s: _around(
-            L.EinsumDense("abc,cd->abd", (5, 8), name="sample"), s
+            L.EinsumDense("abc,cd->abd", (5, 16), name="sample"), s
         ),
         (5, 16),
     ),
-    L.MultiHeadAttention: (_attention, (6, 8)),
-    L.GroupQueryAttention: (_grouped_attention, (6, 8)),
-    L.Attention: (_two_projections(L.Attention), (6, 8)),
-    L.AdditiveAttention: (_two_projections(L.AdditiveAttention), (6, 8)),
+    # attention and Dot samples 16 wide: their projections and head are
+    # quantized under the small-GEMM rule too (golden placement test)
+    L.MultiHeadAttention: (_attention, (6, 16)),
+    L.GroupQueryAttention: (_grouped_attention, (6, 16)),
+    L.Attention: (_two_projections(L.Attention), (6, 16)),
+    L.AdditiveAttention: (_two_projections(L.AdditiveAttention), (6, 16)),
     L.Add: (_residual, (6, 6, 8)),
     L.Concatenate: (_concat, (6, 6, 8)),
-    L.Dot: (_dot, (6, 8)),
+    L.Dot: (_dot, (6, 16)),
     **{
         cls: _pooled(cls, rank)
         for rank, classes in (
@@ -299,7 +307,7 @@ def test_prunable_row_is_pruned_2_4_in_fit(cls):
     model.compile("sgd", "mse")
     model.fit(
         x,
-        np.zeros((len(x), 4)),
+        np.zeros((len(x), HEAD)),
         epochs=1,
         batch_size=16,
         verbose=0,

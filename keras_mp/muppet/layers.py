@@ -16,6 +16,7 @@ from keras import ops
 
 from keras_mp import _keras
 from keras_mp._compat import require_tensorflow
+from keras_mp._load_only import LoadOnly
 from keras_mp.muppet.quantizer import fixed_point_ste
 
 
@@ -114,14 +115,15 @@ def _word_length_variable(layer):
 
 
 @keras.saving.register_keras_serializable(package="keras_mp")
-class FixedPointWrapper(_RandomStateMixin, keras.layers.Wrapper):
+class FixedPointWrapper(LoadOnly, _RandomStateMixin, keras.layers.Wrapper):
     """Trains a weighted layer in MuPPET dynamic fixed point.
 
     Load-only: `fixed_point_model` built it until layers were switched to
     fixed point in place; it stays registered (with its class and
     attribute names, which name its weight-file groups) so that those
-    files load and train on. `keras_mp.muppet.upgrade_fixed_point`
-    converts such a model to the current form.
+    files load and train on. `keras_mp.upgrade` converts such a model to
+    the current form; constructing one outside Keras loading raises a
+    `TypeError` (`keras_mp.fixed_point_model` is the current way).
 
     The wrapped layer keeps float32 master weights. Each call runs it on
     fixed-point copies of its trainable weights (stochastic rounding,
@@ -153,10 +155,16 @@ class FixedPointWrapper(_RandomStateMixin, keras.layers.Wrapper):
 
     Example:
 
-    >>> layer = FixedPointWrapper(keras.layers.Dense(4))
+    >>> with keras_mp.legacy.loading():  # as Keras loading does
+    ...     layer = FixedPointWrapper(keras.layers.Dense(4))
     >>> layer(np.ones((2, 3))).shape
     TensorShape([2, 4])
     """
+
+    REPLACEMENT = (
+        "Train in fixed point with `keras_mp.fixed_point_model(model)` "
+        "(layers switched to fixed point in place)."
+    )
 
     def __init__(self, layer, seed=None, **kwargs):
         require_tensorflow("keras_mp.FixedPointWrapper")
@@ -280,11 +288,11 @@ def unscale_recorded_gradients(layers, optimizer):
 
 
 @keras.saving.register_keras_serializable(package="keras_mp")
-class FixedPointInput(_RandomStateMixin, keras.layers.Layer):
+class FixedPointInput(LoadOnly, _RandomStateMixin, keras.layers.Layer):
     """Quantizes a network input to fixed point, one exponent per sample.
 
     Load-only, like `FixedPointWrapper`: the layers that receive a model
-    input now quantize it themselves.
+    input now quantize it themselves (`keras_mp.fixed_point_model`).
 
     Args:
         seed: int or None. Seed of the stochastic rounding; None draws one
@@ -296,9 +304,13 @@ class FixedPointInput(_RandomStateMixin, keras.layers.Layer):
 
     Example:
 
-    >>> FixedPointInput()(np.ones((2, 3))).shape
+    >>> with keras_mp.legacy.loading():  # as Keras loading does
+    ...     layer = FixedPointInput()
+    >>> layer(np.ones((2, 3))).shape
     TensorShape([2, 3])
     """
+
+    REPLACEMENT = FixedPointWrapper.REPLACEMENT
 
     def __init__(self, seed=None, **kwargs):
         require_tensorflow("keras_mp.FixedPointInput")

@@ -53,7 +53,7 @@ def rule_blocks(graph, finding):
                 "or FLOAT8E4M3FN weights.",
             )
             continue
-        label = row.name.upper()
+        label = row.label
         problems = []
         use = graph.weight_use.get(id(node))
         if use is None or use[0].op_type not in row.tensorrt_ops:
@@ -104,7 +104,8 @@ def _dynamic_findings(graph, finding):
         name = _DYNAMIC_ROWS.get(node.op_type)
         if name is None:
             continue
-        row, label = FORMATS[name], name.upper()
+        row = FORMATS[name]
+        label = row.label
         dtype = graph.dtypes.get(node.input[0])
         block = attr(node, "block_size", 0)
         problems = []

@@ -75,7 +75,7 @@ def check_dtype(model, dtype):
     found = dynamic_quantizers(model)
     if not found or dtype in ("float16", "bfloat16"):
         return
-    names = sorted({q.format.name.upper() for _, q in found})
+    names = sorted({q.format.label for _, q in found})
     raise ExportError(
         f"Model {model.name!r} quantizes GEMM inputs in "
         f"{'/'.join(names)} ({len(found)} quantizer(s), e.g. "

@@ -7,14 +7,26 @@ import dataclasses
 import numpy as np
 
 from keras_mp._compat import optional_import
+from keras_mp.quantization import formats
+from keras_mp.quantization.placement import LAYOUT_OPS
 
 # ONNX element types (onnx.TensorProto values, fixed by the ONNX spec);
 # spelled out so this module imports without onnx installed.
 FLOAT, UINT8, INT8, INT32, INT64 = 1, 2, 3, 6, 7
 FLOAT8E4M3FN = 17
+ELEMENT_TYPES = {
+    "FLOAT": FLOAT,
+    "UINT8": UINT8,
+    "INT8": INT8,
+    "INT32": INT32,
+    "INT64": INT64,
+    "FLOAT8E4M3FN": FLOAT8E4M3FN,
+}
 # The Q/DQ element types TensorRT builds: the `onnx_type` of the
-# `keras_mp.quantization.FORMATS` rows it runs (INT8, FP8 E4M3).
-TENSORRT_QDQ_TYPES = frozenset({INT8, FLOAT8E4M3FN})
+# `keras_mp.quantization.FORMATS` rows it runs (`formats.TENSORRT_QDQ_TYPES`).
+TENSORRT_QDQ_TYPES = frozenset(
+    ELEMENT_TYPES[name] for name in formats.TENSORRT_QDQ_TYPES
+)
 
 QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
 # Input slots holding a weight, and the bias slot, of each weighted op.
@@ -25,11 +37,9 @@ WEIGHT_SLOTS = {
     "Gemm": (0, 1),
 }
 BIAS_SLOT = 2
-# Ops that only move or relabel values: they may stand between a weight and
-# its op in a float graph, but not between a weight's DQ and its op.
-LAYOUT_OPS = frozenset(
-    {"Transpose", "Reshape", "Identity", "Squeeze", "Unsqueeze", "Flatten"}
-)
+# `LAYOUT_OPS` (imported above, written in `placement.py` beside the other
+# ops that only move values): ops that may stand between a weight and its
+# op in a float graph, but not between a weight's DQ and its op.
 # Ops whose matmuls run inside the op: TensorRT's ONNX importer builds
 # them from float inputs only, so they stay float (`docs/export.md`,
 # "Recurrent layers").

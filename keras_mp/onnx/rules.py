@@ -13,7 +13,6 @@ from keras_mp._compat import optional_import
 from keras_mp.onnx.block_rules import is_blocked, rule_blocks
 from keras_mp.onnx.graph import (
     BIAS_SLOT,
-    FLOAT8E4M3FN,
     INT32,
     LAYOUT_OPS,
     QDQ_OPS,
@@ -26,10 +25,12 @@ from keras_mp.onnx.graph import (
     output_channel_axis,
 )
 from keras_mp.quantization import placement
+from keras_mp.quantization.formats import format_of_onnx_type
 from keras_mp.quantization.placement import (
     COMMUTING_OPS,
     DATA_MOVEMENT_OPS,
     FUSED_OPS,
+    RESIDUAL_FOLDED_OPS,
     SCALE_COMMUTING_OPS,
 )
 
@@ -155,6 +156,12 @@ def _qdq_type(graph, node):
     if node.op_type == "QuantizeLinear":
         return attr(node, "output_dtype", 0) or UINT8
     return graph.dtypes.get(node.input[0])
+
+
+def _qdq_format(graph, node):
+    """The `FORMATS` row of a Q/DQ node's element type, or None."""
+    dtype = _qdq_type(graph, node)
+    return None if dtype is None else format_of_onnx_type(dtype)
 
 
 def bad_groups(array, axis):
@@ -303,18 +310,21 @@ def _rule_per_channel(graph):
         op, slot, source = use
         if slot == BIAS_SLOT or source.layout:
             continue  # reported by the zero_point / weight_dq_direct rules
+        fmt = _qdq_format(graph, node)
         if (
             op.op_type not in ("MatMul", "Gemm")
             and node.op_type == "DequantizeLinear"
-            and _qdq_type(graph, node) == FLOAT8E4M3FN
+            and fmt is not None
+            and fmt.conv_weights_per_tensor
         ):
+            kind = fmt.label
             yield Finding(
                 "per_channel",
                 name,
-                f"per-channel FP8 weight of {op.op_type} "
-                f"'{graph.name(op)}': TensorRT documents per-channel FP8 "
+                f"per-channel {kind} weight of {op.op_type} "
+                f"'{graph.name(op)}': TensorRT documents per-channel {kind} "
                 "weights for GEMMs (MatMul, Gemm; 10.6+) and keras_mp writes "
-                "FP8 convolution weights per tensor; ModelOpt's ONNX PTQ "
+                f"{kind} convolution weights per tensor; ModelOpt's ONNX PTQ "
                 "writes them per channel. Check that your TensorRT version "
                 "builds it.",
                 "warning",
@@ -379,14 +389,15 @@ def _rule_partial_quantization(graph):
 
 def _small_gemm(graph, op):
     """Whether `op` is a MatMul/Gemm with a constant weight whose K or N is
-    below `placement.MIN_GEMM_DIM`: float by design (no faster quantized)."""
+    below the small-GEMM rule (`placement.gemm_too_small`): float by design
+    (no faster quantized)."""
     if op.op_type not in ("MatMul", "Gemm") or len(op.input) < 2:
         return False
     array = graph.trace(op.input[1]).array
     return (
         array is not None
         and array.ndim >= 2
-        and (min(array.shape[-2:]) < placement.MIN_GEMM_DIM)
+        and placement.gemm_too_small(*array.shape[-2:])
     )
 
 
@@ -499,7 +510,8 @@ def _data_input(graph, node):
 def _from_quantized_weighted_op(graph, tensor):
     """The quantized weighted op behind `tensor`, through a BatchNormalization
     or the Mul/Add-by-constant pair tf2onnx decomposes an inference-mode
-    Keras BatchNormalization into (TensorRT folds both into the conv), and
+    Keras BatchNormalization into (TensorRT folds both into the conv:
+    `placement.RESIDUAL_FOLDED_OPS`), and
     through ops that only move values (the NHWC/NCHW Transposes tf2onnx
     leaves when its transpose optimizer is skipped, a MatMul's output
     Reshape, a Slice, Pad or Resize: `placement.DATA_MOVEMENT_OPS` but
@@ -508,7 +520,7 @@ def _from_quantized_weighted_op(graph, tensor):
     for _ in range(8):
         if node is None:
             break
-        if node.op_type == "BatchNormalization" or (
+        if node.op_type in RESIDUAL_FOLDED_OPS or (
             node.op_type in DATA_MOVEMENT_OPS and node.op_type != "Concat"
         ):  # the data input; a Concat has more than one
             node = graph.producers.get(node.input[0])

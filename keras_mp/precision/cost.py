@@ -27,7 +27,7 @@ from keras_mp.precision.gpus import (
     gpu_spec,
 )
 from keras_mp.precision.work import KINDS, LayerWork, layer_work
-from keras_mp.quantization import placement
+from keras_mp.quantization import formats, placement
 from keras_mp.quantization.names import NOT_QUANTIZED
 
 __all__ = [
@@ -45,12 +45,15 @@ __all__ = [
     "layer_work",
 ]
 
-# Weight bits; not quantized: float16.
-BITS = {NOT_QUANTIZED: 16, "int8": 8, "float8": 8}
+# Bits per value of each precision: float16's when not quantized, and the
+# `FORMATS` rows'.
+BITS = {
+    p: 16 if p == NOT_QUANTIZED else formats.FORMATS[p].bits for p in PRECISIONS
+}
 # Tensor Core multiples a GEMM's K and N are padded to: 16 bytes, 8 float16
 # or 16 8-bit elements (NVIDIA's Matrix Multiplication Background User's
 # Guide, "Tensor Core Requirements").
-TILE = {NOT_QUANTIZED: 8, "int8": 16, "float8": 16}
+TILE = {p: 16 * 8 // bits for p, bits in BITS.items()}
 # Kinds that are MatMuls in ONNX, the ops ModelOpt's small-GEMM rule reads.
 _MATMULS = ("gemm", "dot", "attention")
 # A stand-alone QuantizeLinear reads float16 and writes 8 bits.
@@ -73,7 +76,7 @@ def _small_gemm(work):
     return (
         work.kind in _MATMULS
         and work.gemm_k is not None
-        and min(work.gemm_k, work.gemm_n) < placement.MIN_GEMM_DIM
+        and placement.gemm_too_small(work.gemm_k, work.gemm_n)
     )
 
 
@@ -106,12 +109,13 @@ def latency(work, precision, gpu, batch_scale=1.0, fused_input=False):
       Guide, "Tensor Core Requirements"); FLOPs count the padding.
     - a MatMul with K or N below 16 is no faster in int8/float8 than in
       float16 (ModelOpt's `_MIN_MATMUL_DIM`, keras_mp's
-      `placement.MIN_GEMM_DIM`): its compute term takes the float16 peak
+      `placement.gemm_too_small`): its compute term takes the float16 peak
       and its kernel is never faster than the float16 one, so the Q/DQ
       make it slower.
     - a convolution TensorRT has no FP8 kernel for (16 channels or fewer
-      in or out, more than 32 taps: `LayerWork.no_fp8`) is priced in
-      INT8 when float8 is asked, as keras_mp places it.
+      in or out, more than 32 taps: the `float8` row's `conv_min_channels`
+      and `conv_max_taps`, `LayerWork.no_fp8`) is priced in INT8 when float8
+      is asked, as keras_mp places it.
     - a layer without GEMM (`flops == 0`) costs its bytes only.
 
     Args:
@@ -150,7 +154,9 @@ def latency(work, precision, gpu, batch_scale=1.0, fused_input=False):
             f"`batch_scale` must be positive. Received: batch_scale="
             f"{batch_scale!r}"
         )
-    if precision == "float8" and work.no_fp8:
+    # `no_fp8`: a convolution beyond the float8 row's limits (`conv_limit`)
+    row = formats.FORMATS.get(precision)  # None: not quantized
+    if work.no_fp8 and row is not None and row.conv_limited:
         precision = "int8"
         check_precisions(gpu, (precision,))
     seconds = _roofline(work, precision, gpu, batch_scale)

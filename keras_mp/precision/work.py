@@ -288,5 +288,5 @@ def layer_work(layer, input_shapes, output_shapes):
         gemm_k=k,
         gemm_n=n,
         kind=kind,
-        no_fp8=placement._no_fp8_conv(layer) if kind == "conv" else "",
+        no_fp8=placement.conv_limit(layer, "float8") if kind == "conv" else "",
     )

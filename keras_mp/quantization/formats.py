@@ -2,10 +2,14 @@
 
 A `NumberFormat` holds everything that differs between formats: the grid
 (`qmax`, `qmin`), its rounding function, and the element type the ONNX
-export writes. The fake-quant math (`quantizers.py`), the quantizer
-(`quantizer.py`) and the export read the row; none of them branches on a
+export writes, and the TensorRT facts of the format (which convolutions
+it runs, per-tensor convolution weights, a fixed softmax range). The
+fake-quant math (`quantizers.py`), the quantizer (`quantizer.py`), the
+export, the placement (`placement.py`), the ONNX lint and the cost model
+(`keras_mp.precision.cost`) read the row; none of them branches on a
 format's name, so a new format is one row of `FORMATS`. Guide:
-`docs/quantization.md` ("Number formats").
+`docs/quantization.md` ("Number formats"); where each TensorRT fact
+lives: `docs/architecture.md` ("TensorRT facts, each written once").
 """
 
 import dataclasses
@@ -112,6 +116,23 @@ class NumberFormat:
             weights only: the layer's activations stay in its float dtype.
         tensorrt_ops: tuple of str. The ONNX ops whose weights TensorRT
             takes block-scaled in this format (`()`: any weighted op).
+        tensorrt: bool. TensorRT builds per-tensor and per-channel Q/DQ
+            of `onnx_type` (`TENSORRT_QDQ_TYPES`, read by the lint).
+        conv_min_channels: int. TensorRT runs a convolution in this format
+            only with more channels than this in and out (a depthwise
+            filter counts 1 input channel per group); 0: no limit.
+        conv_max_taps: int or None. TensorRT runs a convolution in this
+            format only with a filter of at most this many taps (spatial
+            positions); None: no limit.
+        conv_weights_per_tensor: bool. Convolution weights take one range
+            per tensor (TensorRT documents per-channel weights of this
+            format for GEMMs only); GEMM weights stay per channel.
+        fixed_softmax_amax: float or None. The fixed range of a softmax
+            output feeding an attention matmul (no calibration changes
+            it), or None: calibrated like any activation.
+        title: str or None. The format's name in messages, as TensorRT's
+            documentation writes it (`"FP8"`); None: the name in capitals
+            (`"INT8"`, `"NVFP4"`). Read it as `label`.
     """
 
     name: str
@@ -129,6 +150,12 @@ class NumberFormat:
     tensorrt_block_sizes: tuple = ()
     weight_only: bool = False
     tensorrt_ops: tuple = ()
+    tensorrt: bool = False
+    conv_min_channels: int = 0
+    conv_max_taps: int = None
+    conv_weights_per_tensor: bool = False
+    fixed_softmax_amax: float = None
+    title: str = None
 
     def __post_init__(self):
         if self.kind not in ("int", "float", "block"):
@@ -144,9 +171,21 @@ class NumberFormat:
             )
 
     @property
+    def label(self):
+        """The format's name in messages: `title`, or the name in
+        capitals."""
+        return self.title or self.name.upper()
+
+    @property
     def block_format(self):
         """The `blocks.BlockFormat` row of the block-scaled form, or None."""
         return None if self.block is None else block_format(self.block)
+
+    @property
+    def conv_limited(self):
+        """Whether TensorRT runs only some convolutions in this format
+        (`conv_min_channels`, `conv_max_taps`)."""
+        return bool(self.conv_min_channels) or self.conv_max_taps is not None
 
     @property
     def narrow_qmin(self):
@@ -230,6 +269,7 @@ def _int_row(bits):
         qmin=-top,
         # tf2onnx writes Q/DQ for 8 bits only; fewer are for simulation.
         onnx_type="INT8" if bits == 8 else None,
+        tensorrt=bits == 8,
         qdq=_int_qdq,
         **(_INT4_BLOCKS if bits == 4 else {}),
     )
@@ -287,6 +327,13 @@ def _unsigned_carrier(fmt, x, amax, axis, narrow_range):
 # largest finite 448): Q/DQ at opset >= 19, where the zero point's type
 # selects FP8 in TensorRT's ONNX parser (`docs/quantization.md`). Named as
 # Keras names its FP8 mode (`names.py`).
+# Its convolutions (ModelOpt's ONNX PTQ, `graph_utils.py`
+# `find_nodes_from_convs_to_exclude`, the rules it encodes for TensorRT):
+# none with 16 channels or fewer in or out (slower than FP16, and a
+# 3-channel first convolution finds no FP8 tactic) or a filter of more
+# than 32 taps; their weights per tensor (TensorRT 10.6+ takes per-channel
+# FP8 weights for GEMMs). The softmax output of an attention takes the
+# fixed scale 1/448 of ModelOpt's FP8 transformer recipe (range 1.0).
 _FP8_E4M3 = NumberFormat(
     name="float8",
     kind="float",
@@ -298,6 +345,12 @@ _FP8_E4M3 = NumberFormat(
     storage=ml_dtypes.float8_e4m3fn,
     min_opset=19,
     carrier=_unsigned_carrier,
+    tensorrt=True,
+    conv_min_channels=16,
+    conv_max_taps=32,
+    conv_weights_per_tensor=True,
+    fixed_softmax_amax=1.0,
+    title="FP8",
 )
 
 
@@ -347,6 +400,13 @@ FORMATS = types.MappingProxyType(
             _block_row("mxfp8", 8, 448.0, ml_dtypes.float8_e4m3fn),
         ]
     }
+)
+
+
+# The Q/DQ element types TensorRT builds (INT8, FLOAT8E4M3FN), as
+# `onnx.TensorProto` names: the `onnx_type` of the rows it runs.
+TENSORRT_QDQ_TYPES = frozenset(
+    row.onnx_type for row in FORMATS.values() if row.tensorrt
 )
 
 

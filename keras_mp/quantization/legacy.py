@@ -17,6 +17,7 @@ import tensorflow as tf
 
 from keras_mp import _models, layer_table
 from keras_mp._compat import require_tensorflow
+from keras_mp._load_only import LoadOnly
 from keras_mp.layer_table import ALL_INPUTS, NO_INPUTS
 from keras_mp.quantization.config import QuantizeConfig
 from keras_mp.quantization.layers import QuantizeActivation, quantizable_row
@@ -37,8 +38,11 @@ LEGACY_HINT = (
 
 
 @keras.saving.register_keras_serializable(package="keras_mp")
-class QuantizeAnnotate(keras.layers.Wrapper):
+class QuantizeAnnotate(LoadOnly, keras.layers.Wrapper):
     """Load-only: the annotation wrapper of earlier keras_mp files.
+
+    Constructing one outside Keras loading raises a `TypeError`:
+    `keras_mp.quantize_annotate_layer(layer)` marks a layer.
 
     Computes exactly like the layer; `keras_mp.upgrade` turns a model
     holding it into a float model whose layers carry the annotation.
@@ -47,6 +51,11 @@ class QuantizeAnnotate(keras.layers.Wrapper):
         layer: the layer to quantize.
         config: `QuantizeConfig` or None.
     """
+
+    REPLACEMENT = (
+        "Mark a layer with `keras_mp.quantize_annotate_layer(layer)` (it "
+        "returns the layer itself), then `keras_mp.quantize_apply(model)`."
+    )
 
     def __init__(self, layer, config=None, **kwargs):
         kwargs.setdefault("dtype", layer.dtype_policy)
@@ -69,7 +78,7 @@ class QuantizeAnnotate(keras.layers.Wrapper):
 
 
 @keras.saving.register_keras_serializable(package="keras_mp")
-class QuantizeWrapper(keras.layers.Wrapper):
+class QuantizeWrapper(LoadOnly, keras.layers.Wrapper):
     """Load-only: the quantize wrapper of earlier keras_mp files.
 
     Models saved before every model was quantized in place hold it (named
@@ -98,12 +107,20 @@ class QuantizeWrapper(keras.layers.Wrapper):
         **kwargs: Base layer arguments.
 
     Raises:
+        TypeError: constructed outside Keras loading (`keras_mp.legacy.
+            loading()`): quantize with `keras_mp.quantize_model`.
         ValueError: the layer type is not supported.
 
     Example:
 
-    >>> layer = keras_mp.legacy.QuantizeWrapper(keras.layers.Dense(10))
+    >>> with keras_mp.legacy.loading():  # as Keras loading does
+    ...     layer = keras_mp.legacy.QuantizeWrapper(keras.layers.Dense(10))
     """
+
+    REPLACEMENT = (
+        "Quantize with `keras_mp.quantize_model(model)` (every layer "
+        "quantized in place, at any depth)."
+    )
 
     def __init__(
         self,

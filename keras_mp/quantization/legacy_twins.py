@@ -9,13 +9,16 @@ per input. Today both are quantized at their op sites
 projections quantize their own inputs. A record entry of such a layer
 saved without `sites` is applied with these twins and the rows they had
 (`LEGACY_ROWS`), so an old file loads with its ranges and computes what
-it computed; `quantize_model` never picks them.
+it computed; `quantize_model` never picks them, and constructing one
+raises a `TypeError` (`_load_only.LoadOnly`): layers become these twins
+in place, on load.
 """
 
 import functools
 
 import keras
 
+from keras_mp._load_only import LoadOnly
 from keras_mp.layer_table import ALL_INPUTS, LayerRow
 from keras_mp.quantization.twins import QuantizedLayer, _like, bind_call
 
@@ -54,7 +57,15 @@ ATTENTION_INPUTS = ("query", "value", "key")
 ATTENTION_MATMUL_INPUTS = ("query", "key", "probs", "value")
 
 
-class QuantizedAttention(QuantizedLayer):
+class _LegacyTwin(LoadOnly, QuantizedLayer):
+    REPLACEMENT = (
+        "`keras_mp.quantize_model(model)` quantizes MultiHeadAttention and "
+        "Dot at their op sites."
+    )
+    HOME = "keras_mp.quantization.legacy_twins"
+
+
+class QuantizedAttention(_LegacyTwin):
     """The quantized twin of a `keras.layers.MultiHeadAttention` (or of a
     subclass calling `_compute_attention`, as keras-hub's
     `CachedMultiHeadAttention` does).
@@ -228,7 +239,7 @@ def einsum_attention(
     return output, scores
 
 
-class QuantizedDot(QuantizedLayer):
+class QuantizedDot(_LegacyTwin):
     """The quantized twin of a `keras.layers.Dot` (or a subclass).
 
     Both inputs get a Q/DQ (`input_indices` `[0, 1]`, set by the placement

@@ -10,9 +10,14 @@ the attention layer; a `Dot` (a matmul of two activations) gets one on
 each input unless `QuantizeConfig(dot=False)`; a layer called more than
 once shares one input range.
 The ONNX lint (`keras_mp/onnx/rules.py`) checks the exported graph with the
-same fusibility facts (`fusable_producer`, and which ops TensorRT moves
-Q/DQ across or fuses them into: `COMMUTING_OPS`, `SCALE_COMMUTING_OPS`,
-`FUSED_OPS`, `qdq_role`).
+same fusibility facts (`fusable_producer` and `RESIDUAL_FOLDED_OPS`, and
+which ops TensorRT moves Q/DQ across or fuses them into: `COMMUTING_OPS`,
+`SCALE_COMMUTING_OPS`, `FUSED_OPS`, `qdq_role`, and the ops that only move
+values: `LAYOUT_OPS`, `DATA_MOVEMENT_OPS`); the lint and the cost model
+(`keras_mp.precision.cost`) read the small-GEMM rule (`gemm_too_small`)
+here too. Per-format facts (FP8's convolution limits, per-tensor FP8
+convolution weights, the fixed FP8 softmax range) are fields of the
+`formats.FORMATS` rows.
 """
 
 import warnings
@@ -22,7 +27,7 @@ import keras
 from keras_mp import _keras, layer_table
 from keras_mp.layer_table import ALL_INPUTS, NO_INPUTS, SKIP_INPUTS
 from keras_mp.quantization import op_probe
-from keras_mp.quantization.formats import FORMATS
+from keras_mp.quantization.formats import FORMATS, number_format
 from keras_mp.quantization.layers import quantizable_row
 
 # How TensorRT treats the non-weighted ops around a Q/DQ (TensorRT Developer
@@ -45,37 +50,36 @@ from keras_mp.quantization.layers import quantizable_row
 COMMUTING_OPS = frozenset({"MaxPool", "GlobalMaxPool"})
 SCALE_COMMUTING_OPS = frozenset({"Concat"})
 FUSED_OPS = frozenset({"AveragePool", "GlobalAveragePool"})
+# Ops that only move or relabel values (ONNX op types): they may stand
+# between a weight and its op in a float graph, but not between a weight's
+# DQ and its op (`keras_mp.onnx.graph` re-exports them for export's weight
+# folding and the lint).
+LAYOUT_OPS = frozenset(
+    {"Transpose", "Reshape", "Identity", "Squeeze", "Unsqueeze", "Flatten"}
+)
 # Ops that only move, pick or repeat values (ONNX op types; the layout ops
-# are a subset; Gather: a DLRM's upper triangle of its interactions). A DQ
+# and these; Gather: a DLRM's upper triangle of its interactions). A DQ
 # that reaches a Q or a weighted op across them is not wasted even where it
 # does not commute (a Concat of inputs with different scales): DQ -> op -> Q
 # runs as one INT8 op ("non-weighted layers that have INT8 inputs also
 # require INT8 outputs"), so the producer before the DQ writes INT8. The
 # lint follows them for `output_qdq` and `residual_add`.
-DATA_MOVEMENT_OPS = frozenset(
-    "Concat Split Slice Pad Resize Transpose Reshape Tile Identity Squeeze "
-    "Unsqueeze Flatten Gather".split()
+DATA_MOVEMENT_OPS = LAYOUT_OPS | frozenset(
+    "Concat Split Slice Pad Resize Tile Gather".split()
 )
-_COMMUTING_LAYERS = (
-    keras.layers.MaxPooling1D,
-    keras.layers.MaxPooling2D,
-    keras.layers.MaxPooling3D,
-    keras.layers.GlobalMaxPooling1D,
-    keras.layers.GlobalMaxPooling2D,
-    keras.layers.GlobalMaxPooling3D,
-)
-_FUSED_LAYERS = (
-    keras.layers.AveragePooling1D,
-    keras.layers.AveragePooling2D,
-    keras.layers.AveragePooling3D,
-    keras.layers.GlobalAveragePooling1D,
-    keras.layers.GlobalAveragePooling2D,
-    keras.layers.GlobalAveragePooling3D,
-)
+# Residual Add: what TensorRT folds into the weighted op before the Add it
+# fuses (TensorRT Developer Guide, "Q/DQ Layer-Placement Recommendations"):
+# BatchNormalization, as a Keras layer (`fusable_producer`) and as ONNX op
+# types (the lint's `_from_quantized_weighted_op`). An activation between
+# them blocks the fusion (the Add comes before any activation in the
+# fused kernel).
+RESIDUAL_FOLDED_LAYERS = (keras.layers.BatchNormalization,)
+RESIDUAL_FOLDED_OPS = frozenset({"BatchNormalization"})
 
 
 def qdq_role(layer):
-    """How TensorRT treats a Q/DQ on the input of non-weighted `layer`.
+    """How TensorRT treats a Q/DQ on the input of non-weighted `layer`:
+    its layer-table row's `qdq_role`.
 
     Returns:
         `"commuting"` (max pooling: TensorRT moves the Q/DQ across it),
@@ -83,22 +87,36 @@ def qdq_role(layer):
         only when they share one scale), `"fused"` (average pooling: an
         INT8 kernel only when its output is quantized too), or None.
     """
-    if isinstance(layer, _COMMUTING_LAYERS):
-        return "commuting"
-    if isinstance(layer, keras.layers.Concatenate):
-        return "same_scale"
-    if isinstance(layer, _FUSED_LAYERS):
-        return "fused"
-    return None
+    row = layer_table.row_for(layer)
+    return None if row is None else row.qdq_role
+
+
+# What `quantization_report` says of a quantized layer with a `qdq_role`
+# (its input Q/DQ come from `QuantizeConfig(quantize_inputs=True)`).
+ROLE_NOTES = {
+    "commuting": (
+        "input Q/DQ asked for: TensorRT moves it across this max pooling "
+        "to the next quantized op"
+    ),
+    "same_scale": (
+        "input Q/DQ asked for: one range for all inputs (TensorRT moves "
+        "their DQs across a Concat only when the scales are equal)"
+    ),
+    "fused": (
+        "input Q/DQ asked for: INT8 average pooling only when its output "
+        "is quantized too (quantize the next layer's input)"
+    ),
+}
 
 
 def fusable_producer(layer):
     """True when TensorRT can fuse `layer`'s output into a following Add:
     a weighted layer with no activation of its own (the Add comes before
     any activation in the fused kernel), optionally through
-    BatchNormalization. The lint's `_from_quantized_weighted_op` walks the
-    same path in the ONNX graph (BatchNorm, no activation op)."""
-    if isinstance(layer, keras.layers.BatchNormalization):
+    BatchNormalization (`RESIDUAL_FOLDED_LAYERS`). The lint's
+    `_from_quantized_weighted_op` walks the same path in the ONNX graph
+    (`RESIDUAL_FOLDED_OPS`, no activation op)."""
+    if isinstance(layer, RESIDUAL_FOLDED_LAYERS):
         nodes = _keras.inbound_nodes(layer)
         tensors = nodes[0].input_tensors if nodes else []
         parents = [_keras.producer(t) for t in tensors]
@@ -146,9 +164,25 @@ def _input_count(layer):
     return 1
 
 
+def inputs_refused(layer, row, config):
+    """Why `QuantizeConfig(quantize_inputs=True)` puts no Q/DQ on the
+    inputs of `layer`, or "" (`input_placement` gives them)."""
+    if not config.quantize_inputs:
+        return ""
+    if config.blocked and (_gemm_layer(layer) or not row.weights):
+        return (
+            f"{_label(config)} is weight-only: the inputs stay "
+            "in the layer's float dtype"
+        )
+    if row.matmul and not config.dot:
+        return "QuantizeConfig(dot=False) keeps this matmul float"
+    return ""
+
+
 def input_placement(layer, row, config):
     """The input indices of a leaf layer that get a Q/DQ (none for a
-    matmul of two activations kept float by `QuantizeConfig(dot=False)`)."""
+    matmul of two activations kept float by `QuantizeConfig(dot=False)`,
+    none of a weight-only precision: `inputs_refused` says why)."""
     placement = row.inputs
     if config.blocked and not row.weights:
         return []  # TensorRT quantizes block formats into GEMMs only
@@ -167,23 +201,25 @@ def input_placement(layer, row, config):
     return []
 
 
-# TensorRT's FP8 convolutions (ModelOpt's ONNX PTQ, `graph_utils.py`
-# `find_nodes_from_convs_to_exclude`, the rules it encodes for TensorRT):
-# none with 16 channels or fewer in or out (`_MIN_CHANNELS_FP8`: slower
-# than FP16, and a 3-channel first convolution finds no FP8 tactic) or a
-# filter of more than 32 taps. ONNX counts a depthwise filter's input
-# channels per group: 1. FP8 weights are per tensor except for GEMMs
-# (TensorRT 10.6+ takes per-channel FP8 GEMM weights). `docs/quantization.md`.
-FP8_MIN_CHANNELS = 16
-FP8_MAX_TAPS = 32
+# TensorRT's FP8 convolution limits, read from the `fp8` row of `FORMATS`
+# (`conv_min_channels`, `conv_max_taps`; sources there).
+FP8_MIN_CHANNELS = FORMATS["float8"].conv_min_channels
+FP8_MAX_TAPS = FORMATS["float8"].conv_max_taps
 
 
 def _is_conv(layer):
     return hasattr(layer, "kernel_size")
 
 
-def _no_fp8_conv(layer):
-    """Why TensorRT has no FP8 kernel for convolution `layer`, or ""."""
+def conv_limit(layer, fmt):
+    """Why TensorRT has no kernel in format `fmt` (a `FORMATS` name or
+    row) for convolution `layer`, or "": the row's `conv_min_channels`
+    and `conv_max_taps`. ONNX counts a depthwise filter's input channels
+    per group: 1."""
+    row = number_format(fmt)
+    if not row.conv_limited:
+        return ""
+    name = row.label
     for weight in quantizable_row(layer).weights:
         shape = tuple(getattr(layer, weight.attr).shape)
         taps = 1
@@ -191,17 +227,17 @@ def _no_fp8_conv(layer):
             taps *= int(size)
         depthwise = "depthwise" in weight.attr
         channels = (1 if depthwise else int(shape[-2]), int(shape[-1]))
-        if min(channels) <= FP8_MIN_CHANNELS:
+        if min(channels) <= row.conv_min_channels:
             return (
-                f"FP8 asked, INT8 here: a convolution with "
+                f"{name} asked, INT8 here: a convolution with "
                 f"{min(channels)} channels {'per group ' if depthwise else ''}"
-                f"(TensorRT has FP8 convolutions above {FP8_MIN_CHANNELS} "
-                "channels in and out)"
+                f"(TensorRT has {name} convolutions above "
+                f"{row.conv_min_channels} channels in and out)"
             )
-        if taps > FP8_MAX_TAPS:
+        if row.conv_max_taps is not None and taps > row.conv_max_taps:
             return (
-                f"FP8 asked, INT8 here: a {taps}-tap filter (TensorRT has "
-                f"FP8 convolutions up to {FP8_MAX_TAPS} taps)"
+                f"{name} asked, INT8 here: a {taps}-tap filter (TensorRT has "
+                f"{name} convolutions up to {row.conv_max_taps} taps)"
             )
     return ""
 
@@ -211,10 +247,15 @@ def _no_fp8_conv(layer):
 # EinsumDense kernel takes them; a convolution, or a weight in a layer's
 # own code (op sites), takes INT8 (ModelOpt's INT4 configs leave
 # convolutions to INT8/FP8 too); matmuls of two activations stay float.
+def _label(config):
+    """The name of `config`'s format in messages (`"NVFP4"`, `"FP8"`)."""
+    return number_format(config.precision).label
+
+
 def _blocked_note(config):
     return (
-        f"{config.precision.upper()} asked, INT8 here: TensorRT runs "
-        f"{config.precision.upper()} on MatMul/Gemm weights only "
+        f"{_label(config)} asked, INT8 here: TensorRT runs "
+        f"{_label(config)} on MatMul/Gemm weights only "
         "(weight-only); keras_mp blocks Dense and EinsumDense kernels"
     )
 
@@ -230,8 +271,8 @@ def layer_format(layer, config):
     does a layer other than Dense/EinsumDense asked for INT4."""
     if config.blocked and not _gemm_layer(layer):
         return "int8", _blocked_note(config)
-    if config.precision == "float8" and _is_conv(layer):
-        reason = _no_fp8_conv(layer)
+    if _is_conv(layer):
+        reason = conv_limit(layer, config.format)
         if reason:
             return "int8", reason
     return config.format, ""
@@ -239,10 +280,12 @@ def layer_format(layer, config):
 
 def weight_axes(layer, weight, config):
     """The output-channel axes of `weight`'s range: its row's with
-    `per_channel`, except for FP8 convolutions (per tensor), else `()`."""
+    `per_channel`, except for convolutions in a format whose convolution
+    weights are per tensor (FP8: `conv_weights_per_tensor`), else `()`."""
     if not config.per_channel:
         return ()
-    if layer_format(layer, config)[0] == "float8" and _is_conv(layer):
+    fmt = number_format(layer_format(layer, config)[0])
+    if fmt.conv_weights_per_tensor and _is_conv(layer):
         return ()
     return weight.out_axes
 
@@ -320,7 +363,7 @@ def _check_input_blocks(layer, path, config):
         else f"its input's last axis is not summed over ({layer.equation!r})"
     )
     raise ValueError(
-        f"Layer {path!r}: {config.precision.upper()} quantizes a GEMM input "
+        f"Layer {path!r}: {_label(config)} quantizes a GEMM input "
         f"in blocks of {config.block_size} along its last axis at run time "
         f"(TensorRT's DynamicQuantize), but {why}. Give this layer "
         f"QuantizeConfig(precision={config.precision!r}, weights_only=True) "
@@ -333,6 +376,14 @@ def _check_input_blocks(layer, path, config):
 # `find_nodes_from_matmul_to_exclude`, `_MIN_MATMUL_DIM = 16`): such a
 # Dense or EinsumDense gets no Q/DQ (a 10-class head stays float).
 MIN_GEMM_DIM = 16
+
+
+def gemm_too_small(k, n):
+    """Whether a GEMM with reduction size `k` and `n` output channels is
+    below the small-GEMM rule (`MIN_GEMM_DIM`; a size None, unknown, is
+    not small): the one test placement, the lint (`float_weighted_ops`)
+    and the cost model apply."""
+    return any(d is not None and d < MIN_GEMM_DIM for d in (k, n))
 
 
 def small_gemm(layer):
@@ -351,7 +402,7 @@ def small_gemm(layer):
     else:
         n = int(kernel.shape[-1])
     k = size // max(n, 1)
-    if min(k, n) >= MIN_GEMM_DIM:
+    if not gemm_too_small(k, n):
         return ""
     # `QuantizeConfig(small_gemms=True)` quantizes it anyway
     return (
@@ -371,7 +422,7 @@ def site_float(site, config, row=None):
         return "no float operand"
     if config.blocked and "weight" not in roles:
         return (
-            f"{config.precision.upper()} is weight-only here: a matmul of "
+            f"{_label(config)} is weight-only here: a matmul of "
             "two activations stays float"
         )
     if not site.get("gemm", True):
@@ -380,7 +431,7 @@ def site_float(site, config, row=None):
         if spec["role"] != "weight":
             continue
         k, n = op_probe.gemm_size(spec["shape"], spec["axes"])
-        if min(k, n) < MIN_GEMM_DIM and not config.small_gemms:
+        if gemm_too_small(k, n) and not config.small_gemms:
             return (
                 f"GEMM with K={k}, N={n}: no Q/DQ below {MIN_GEMM_DIM} "
                 "(TensorRT's INT8/FP8 kernels are no faster there)"
@@ -397,10 +448,11 @@ def site_float(site, config, row=None):
 
 def fixed_range(fmt, matmul_input):
     """The range of an attention matmul input no calibration changes, or
-    None: an FP8 softmax output (`"probs"`, in [0, 1]) takes the fixed
-    scale 1/448 of ModelOpt's FP8 transformer recipe (range 1.0)."""
-    if fmt == "float8" and matmul_input == "probs":
-        return 1.0
+    None: a softmax output (`"probs"`, in [0, 1]) in a format with a
+    `fixed_softmax_amax` takes it (FP8: 1.0, the fixed scale 1/448 of
+    ModelOpt's FP8 transformer recipe)."""
+    if matmul_input == "probs":
+        return number_format(fmt).fixed_softmax_amax
     return None
 
 
@@ -419,7 +471,7 @@ def decide(walked, choices, calls):
         quantizer: `inputs` the input indices with a Q/DQ. Warns once, naming
         the shared layers (one input range for all their calls).
     """
-    decided, shared, unused, small = [], [], [], []
+    decided, shared, unused, small, refused = [], [], [], [], []
     for index, config in sorted(choices.items()):
         layer, _ = walked[index]
         row = quantizable_row(layer)
@@ -433,6 +485,9 @@ def decide(walked, choices, calls):
             small.append(layer.name)
             continue  # stays float; `quantization_report` says why
         inputs = input_placement(layer, row, config)
+        why = inputs_refused(layer, row, config)
+        if why:
+            refused.append(f"{layer.name} ({why})")
         if not row.weights and not inputs:
             continue
         if count > 1 and inputs:
@@ -444,6 +499,12 @@ def decide(walked, choices, calls):
             f"{', '.join(shared)}. Each gets one input Q/DQ whose range "
             "covers all its calls (one scale for every call); "
             "`quantization_report` marks them shared.",
+            stacklevel=5,
+        )
+    if refused:
+        warnings.warn(
+            "QuantizeConfig(quantize_inputs=True) puts no input Q/DQ on: "
+            f"{', '.join(refused)}.",
             stacklevel=5,
         )
     if unused:

@@ -31,6 +31,9 @@ def _quantized_row(layer):
         notes.append("uncalibrated input range (0): run keras_mp.calibrate")
     if _is_vector_dot(layer):
         notes.append(VECTOR_DOT_NOTE)
+    role = placement.qdq_role(layer)
+    if role and layer.input_quantizers:
+        notes.append(placement.ROLE_NOTES[role])
     if layer.quantize_calls > 1 and named:
         notes.append(
             f"shared: called {layer.quantize_calls} times, one input range "

@@ -99,7 +99,7 @@ class SparseModel(_record.LoadOnlyContainer):
     """
 
     REPLACEMENT = (
-        "wrap the model in `keras_mp.RecordedModel(model)`, which saves its "
+        "Wrap the model in `keras_mp.RecordedModel(model)`, which saves its "
         "2:4 masks (and any other keras_mp state)."
     )
 

@@ -72,6 +72,12 @@ def _onnx_of(model, path):
     return path
 
 
+def _old(cls, *args):
+    """A load-only class built as Keras loading builds it."""
+    with keras_mp.legacy.loading():
+        return cls(*args)
+
+
 def _with_policy(name):
     with keras_mp.enable_mixed_precision(name):
         return keras.config.dtype_policy().name
@@ -90,15 +96,19 @@ def refused(out, onnx_path):
         ("QuantizeActivation", lambda: keras_mp.QuantizeActivation()),
         (
             "QuantizeWrapper",
-            lambda: keras_mp.legacy.QuantizeWrapper(keras.layers.Dense(32)),
+            lambda: _old(
+                keras_mp.legacy.QuantizeWrapper, keras.layers.Dense(32)
+            ),
         ),
         ("RecordedModel", lambda: keras_mp.RecordedModel(_model())),
         ("fixed_point_model", lambda: keras_mp.fixed_point_model(_model())),
         (
             "FixedPointWrapper",
-            lambda: keras_mp.legacy.FixedPointWrapper(keras.layers.Dense(32)),
+            lambda: _old(
+                keras_mp.legacy.FixedPointWrapper, keras.layers.Dense(32)
+            ),
         ),
-        ("FixedPointInput", lambda: keras_mp.legacy.FixedPointInput()),
+        ("FixedPointInput", lambda: _old(keras_mp.legacy.FixedPointInput)),
         ("PrecisionSwitching", lambda: keras_mp.PrecisionSwitching()),
         ("StructuredSparsity", lambda: keras_mp.StructuredSparsity()),
         (

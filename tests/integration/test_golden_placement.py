@@ -23,6 +23,8 @@ benchmarks/bench_zoo.py; its INT8 ONNX is the one tests/onnx/test_zoo.py
 measures, shared through `zoo_measured` in tests/conftest.py) and a
 keras-hub BERT classifier (tests/quantization/test_keras_hub.py) and tiny
 keras-hub Gemma, Llama, Mixtral, DeBERTaV3 and T5 backbones (`HUB`).
+Every model runs the small-GEMM rule as users get it (`gemm_rule`: a
+Dense, EinsumDense or weight GEMM with K or N below 16 stays float).
 
 The goldens record the placement of the code they were generated on (one
 JSON file per model in `fixtures/golden_placement/`). A change of
@@ -329,14 +331,12 @@ SLOW = {"zoo_MobileNetV3Small", "keras_hub_T5Backbone"}
 
 def _param(model_id, marks=()):
     marks = list(marks) + ([pytest.mark.slow] if model_id in SLOW else [])
-    if model_id == "reference_cnn":
-        # as users get it: the small-GEMM rule on (`placement.MIN_GEMM_DIM`:
-        # its 10-class head stays float). The layer-table samples and the
-        # tiny keras-hub configs (hidden 8-16) record their placement with
-        # it off: at their size the rule would leave most GEMMs float and
-        # the golden would check nothing; the zoo's export is the
-        # session's `zoo_measured`, shared with tests that have it off.
-        marks.append(pytest.mark.gemm_rule)
+    # as users get it: the small-GEMM rule on (`placement.gemm_too_small`:
+    # a GEMM with K or N below 16 stays float, the reference CNN's 10-class
+    # head, the tiny layer-table samples' and keras-hub configs' small
+    # Dense layers); the zoo's fast subset is measured with it too
+    # (tests/onnx/test_zoo.py shares the measurement).
+    marks.append(pytest.mark.gemm_rule)
     return pytest.param(model_id, marks=marks)
 
 

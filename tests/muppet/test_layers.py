@@ -6,6 +6,7 @@ import keras
 import numpy as np
 import pytest
 
+import keras_mp
 from keras_mp.muppet import (
     FixedPointInput,
     FixedPointState,
@@ -15,6 +16,13 @@ from keras_mp.muppet import (
     is_fixed_point,
 )
 from keras_mp.muppet.twins import attach
+
+
+@pytest.fixture(autouse=True)
+def _load_only_layers_allowed():
+    """These tests build the load-only layers as Keras loading does."""
+    with keras_mp.legacy.loading():
+        yield
 
 
 def test_wrapper_is_the_inner_layer_in_float32_and_quantizes_below():
