@@ -186,10 +186,12 @@ def input_placement(layer, row, config):
     placement = row.inputs
     if config.blocked and not row.weights:
         return []  # TensorRT quantizes block formats into GEMMs only
-    if config.blocked and _gemm_layer(layer) and not config.block_inputs:
-        # weight-only: inputs stay in the layer's float dtype (a convolution
-        # takes INT8, its input Q/DQ included: `layer_format`)
-        return []
+    if config.blocked and _gemm_layer(layer):
+        if not config.block_inputs or block_inputs_refused(layer, config):
+            # weight-only: inputs stay in the layer's float dtype (a
+            # convolution takes INT8, its input Q/DQ included:
+            # `layer_format`)
+            return []
     if config.quantize_inputs is not None:
         placement = ALL_INPUTS if config.quantize_inputs else NO_INPUTS
     if row.matmul and not config.dot:
@@ -247,6 +249,11 @@ def conv_limit(layer, fmt):
 # EinsumDense kernel takes them; a convolution, or a weight in a layer's
 # own code (op sites), takes INT8 (ModelOpt's INT4 configs leave
 # convolutions to INT8/FP8 too); matmuls of two activations stay float.
+def _more(names, shown):
+    """`" and N more"` for a list cut at `shown` names, or ""."""
+    return f" and {len(names) - shown} more" if len(names) > shown else ""
+
+
 def _label(config):
     """The name of `config`'s format in messages (`"NVFP4"`, `"FP8"`)."""
     return number_format(config.precision).label
@@ -268,9 +275,13 @@ def layer_format(layer, config):
     """`(format name, note)`: the `FORMATS` row `layer`'s quantizers use
     under `config`, and why it is not the one `config` asks for ("" when
     it is). A convolution TensorRT cannot run in FP8 takes INT8, and so
-    does a layer other than Dense/EinsumDense asked for INT4."""
+    does a layer other than Dense/EinsumDense asked for INT4; an NVFP4 or
+    MXFP8 GEMM whose input TensorRT cannot block quantizes its weights
+    only (`block_inputs_refused`)."""
     if config.blocked and not _gemm_layer(layer):
         return "int8", _blocked_note(config)
+    if config.blocked:
+        return config.format, block_inputs_refused(layer, config)
     if _is_conv(layer):
         reason = conv_limit(layer, config.format)
         if reason:
@@ -319,8 +330,6 @@ def check_blocks(layer, path, config):
     row = quantizable_row(layer)
     if row is None or row.op_sites:
         return
-    if config.block_inputs and _gemm_layer(layer):
-        _check_input_blocks(layer, path, config)
     for weight in row.weights:
         blocks = weight_blocks(layer, weight, config)
         if blocks is None:
@@ -344,30 +353,41 @@ def check_blocks(layer, path, config):
             )
 
 
-def _check_input_blocks(layer, path, config):
-    """TensorRT's DynamicQuantize blocks the GEMM input along its last axis
-    (ModelOpt exports `axis=-1`): that axis must be summed over (K) and a
-    multiple of the block size."""
+def block_inputs_refused(layer, config):
+    """Why the input of `layer` takes no NVFP4/MXFP8 Q/DQ under `config`
+    (the layer quantizes its weights only), or "". TensorRT's
+    DynamicQuantize blocks a GEMM input along its last axis (ModelOpt
+    exports `axis=-1`): that axis must be the one K the GEMM sums over and
+    a multiple of the block size. An EinsumDense summing over more axes
+    (an attention output projection, `abcd,cde->abe`) is exported as a
+    Transpose and Reshape into K, where that pattern cannot sit."""
+    if not (config.block_inputs and _gemm_layer(layer)):
+        return ""
     shape = (layer.get_build_config() or {}).get("input_shape")
     k = shape[-1] if isinstance(shape, (list, tuple)) and shape else None
-    summed = True
+    why = ""
     if isinstance(layer, keras.layers.EinsumDense):
         x_spec, kernel_spec, output = layer_table._einsum_parts(layer.equation)
-        summed = x_spec[-1] in kernel_spec and x_spec[-1] not in output
-    if summed and isinstance(k, int) and k % config.block_size == 0:
-        return
-    why = (
-        f"its input's last axis has {k} values, not a multiple of "
-        f"block_size={config.block_size}"
-        if summed
-        else f"its input's last axis is not summed over ({layer.equation!r})"
-    )
-    raise ValueError(
-        f"Layer {path!r}: {_label(config)} quantizes a GEMM input "
-        f"in blocks of {config.block_size} along its last axis at run time "
-        f"(TensorRT's DynamicQuantize), but {why}. Give this layer "
-        f"QuantizeConfig(precision={config.precision!r}, weights_only=True) "
-        "or another precision. Nothing was quantized."
+        summed = [c for c in x_spec if c in kernel_spec and c not in output]
+        if x_spec[-1] not in summed:
+            why = (
+                f"its input's last axis is not summed over ({layer.equation!r})"
+            )
+        elif len(summed) > 1:
+            why = (
+                f"it sums over {len(summed)} input axes ({layer.equation!r}), "
+                "which the ONNX graph transposes and reshapes into K"
+            )
+    if not why and isinstance(k, int) and k % config.block_size:
+        why = (
+            f"its input's last axis has {k} values, not a multiple of "
+            f"block_size={config.block_size}"
+        )
+    if not why:
+        return ""
+    return (
+        f"{_label(config)} weights only here: {why} (TensorRT's "
+        "DynamicQuantize blocks a GEMM input along its last axis)"
     )
 
 
@@ -472,6 +492,7 @@ def decide(walked, choices, calls):
         the shared layers (one input range for all their calls).
     """
     decided, shared, unused, small, refused = [], [], [], [], []
+    weights_only = []
     for index, config in sorted(choices.items()):
         layer, _ = walked[index]
         row = quantizable_row(layer)
@@ -485,6 +506,8 @@ def decide(walked, choices, calls):
             small.append(layer.name)
             continue  # stays float; `quantization_report` says why
         inputs = input_placement(layer, row, config)
+        if block_inputs_refused(layer, config):
+            weights_only.append(layer.name)
         why = inputs_refused(layer, row, config)
         if why:
             refused.append(f"{layer.name} ({why})")
@@ -505,6 +528,14 @@ def decide(walked, choices, calls):
         warnings.warn(
             "QuantizeConfig(quantize_inputs=True) puts no input Q/DQ on: "
             f"{', '.join(refused)}.",
+            stacklevel=5,
+        )
+    if weights_only:
+        warnings.warn(
+            "NVFP4/MXFP8 quantize the weights only of "
+            f"{', '.join(weights_only[:8])}{_more(weights_only, 8)}: "
+            "TensorRT's DynamicQuantize cannot block their inputs "
+            "(`quantization_report` says why for each).",
             stacklevel=5,
         )
     if unused:

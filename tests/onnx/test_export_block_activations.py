@@ -179,10 +179,44 @@ def test_k_not_divisible_and_weights_only_config():
     keras.utils.set_random_seed(0)
     inputs = keras.Input((48,))
     model = keras.Model(inputs, keras.layers.Dense(64, name="fc")(inputs))
-    with pytest.raises(ValueError, match="weights_only=True"):
+    # K=48 is no multiple of MXFP8's 32: the weights are refused (an
+    # input alone falls back to weight-only: the next test)
+    with pytest.raises(ValueError, match="block_size"):
         keras_mp.quantize_model(model, precision="mxfp8")
     with pytest.raises(ValueError, match="weights_only"):
         keras_mp.QuantizeConfig(precision="int4", weights_only=False)
     assert keras_mp.QuantizeConfig(precision="int4").weights_only
     assert not keras_mp.QuantizeConfig(precision="nvfp4").weights_only
     assert ml_dtypes.float4_e2m1fn  # the codes' type
+
+
+def test_an_input_tensorrt_cannot_block_falls_back_to_weights_only(tmp_path):
+    # An attention output projection sums over heads and head size
+    # (`abcd,cde->abe`): the ONNX graph transposes and reshapes them into
+    # K, where TensorRT's DynamicQuantize cannot sit. Its weights take
+    # NVFP4, its input stays float16, and the report and a warning say so.
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8, 4, 16))
+    out = keras.layers.EinsumDense(
+        "abcd,cde->abe", output_shape=(None, 32), name="attention_output"
+    )(inputs)
+    out = keras.layers.Dense(32, name="fc")(out)
+    model = keras.Model(inputs, out)
+    with pytest.warns(UserWarning, match="weights only of attention_output"):
+        qmodel = keras_mp.quantize_model(model, precision="nvfp4")
+    x = np.random.default_rng(0).normal(size=(4, 8, 4, 16)).astype("f4")
+    keras_mp.calibrate(qmodel, x, verbose=0)
+    rows = {
+        r["layer"]: r
+        for r in keras_mp.quantization_report(qmodel, verbose=False).rows
+    }
+    assert rows["attention_output"]["inputs"] == {}
+    assert "sums over 2 input axes" in rows["attention_output"]["note"]
+    assert rows["fc"]["inputs"] and rows["fc"]["note"] == ""
+    report = keras_mp.export_onnx(
+        qmodel, tmp_path / "m.onnx", verify_data=x, dtype="float16"
+    )
+    assert report.top1_agreement == 1.0 and report.rel_l2 < 0.05
+    proto = onnx.load(tmp_path / "m.onnx")
+    dynamic = [n for n in proto.graph.node if n.domain == "trt"]
+    assert len(dynamic) == 1  # the Dense's input only
