@@ -3,16 +3,11 @@
 Annotate -> apply -> calibrate (PTQ) and/or `fit` (QAT) -> strip: the
 quantizer (`TensorQuantizer`, its number format a row of `FORMATS`), the
 quantize layers, their configuration, the calibrators and the report; any
-Keras 3 model, layers at any depth (`inplace.py`).
+Keras 3 model, layers at any depth (`attach.py`).
 Guide: `docs/quantization.md`.
 """
 
-from keras_mp.quantization.annotate import (
-    quantize_annotate_layer,
-    quantize_annotate_model,
-    quantize_apply,
-    quantize_model,
-)
+from keras_mp.quantization.activation import QuantizeActivation
 from keras_mp.quantization.calibrate import (
     CalibrationReport,
     activation_quantizers,
@@ -20,17 +15,22 @@ from keras_mp.quantization.calibrate import (
 )
 from keras_mp.quantization.config import QuantizeConfig
 from keras_mp.quantization.formats import FORMATS, NumberFormat, number_format
-from keras_mp.quantization.layers import QuantizeActivation
 from keras_mp.quantization.legacy import QuantizeAnnotate, QuantizeWrapper
-from keras_mp.quantization.model import QuantizedModel
 from keras_mp.quantization.packed import pack_weights
-from keras_mp.quantization.quantizer import TensorQuantizer
+from keras_mp.quantization.quantize import (
+    quantize_annotate_layer,
+    quantize_annotate_model,
+    quantize_apply,
+    quantize_model,
+)
 from keras_mp.quantization.recipe import register_twin
+from keras_mp.quantization.record import QuantizedModel
 from keras_mp.quantization.report import (
     QuantizationReport,
     quantization_report,
 )
 from keras_mp.quantization.strip import strip_quantization
+from keras_mp.quantization.tensor_quantizer import TensorQuantizer
 from keras_mp.quantization.twins import (
     QuantizedLayer,
     set_quantization_enabled,
