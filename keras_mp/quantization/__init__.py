@@ -7,6 +7,10 @@ Keras 3 model, layers at any depth (`attach.py`).
 Guide: `docs/quantization.md`.
 """
 
+# The modules renamed to say what they hold (issue #37): the old import
+# paths still work for one release, with a DeprecationWarning naming the
+# new one (`docs/migration.md`, "Module names").
+from keras_mp._moved import alias_modules as _alias_modules
 from keras_mp.quantization.activation import QuantizeActivation
 from keras_mp.quantization.calibrate import (
     CalibrationReport,
@@ -36,3 +40,17 @@ from keras_mp.quantization.twins import (
     set_quantization_enabled,
 )
 from keras_mp.quantization.upgrade import upgrade
+
+_alias_modules(
+    __name__,
+    {
+        "annotate": "quantize",
+        "inplace": "attach",
+        "model": "record",
+        "quantizer": "tensor_quantizer",
+        "quantizers": "fake_quant",
+        "layers": "activation",
+        "block_calibrate": "calibrate_weights",
+        "weight_calibration": "kernel_calibration",
+    },
+)
