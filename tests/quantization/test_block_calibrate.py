@@ -153,7 +153,9 @@ def test_awq_exports_a_mul_before_the_matmul_matching_keras(
     from keras_mp.onnx.graph import GraphIndex
 
     model = _model()
-    qmodel = keras_mp.quantize_model(model, precision=precision)
+    # weight-only: a float32 graph (NVFP4 inputs need a 16-bit one)
+    config = keras_mp.QuantizeConfig(precision=precision, weights_only=True)
+    qmodel = keras_mp.quantize_model(model, config=config)
     keras_mp.calibrate(
         qmodel, _outlier_data(16, seed=0), method="awq", verbose=0
     )
