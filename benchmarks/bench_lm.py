@@ -305,7 +305,7 @@ def markdown(results):
         "ONNX export writes no Q/DQ for them. keras_mp rows: the "
         "transformer blocks' kernels replaced by their block-format fake "
         "quantization (`keras_mp/quantization/blocks.py`, symmetric as "
-        "TensorRT wants; AWQ and GPTQ from `weight_calibration.py`, layer "
+        "TensorRT wants; AWQ and GPTQ from `kernel_calibration.py`, layer "
         "by layer on the same windows), embeddings and head in float; not "
         "yet through `quantize_model` and `export_onnx`, so their size is "
         "what the export would write (codes, scales, float rest). The "

@@ -2,7 +2,7 @@
 
 Every transformer block's Dense / EinsumDense kernel is replaced by its
 fake quantization in a block format (`keras_mp/quantization/blocks.py`),
-with max, MSE, AWQ or GPTQ scales (`weight_calibration.py`), layer by
+with max, MSE, AWQ or GPTQ scales (`kernel_calibration.py`), layer by
 layer: each block calibrated on its inputs through the blocks before it,
 already quantized. The export of these formats is not wired yet, so
 `block_quantized` also counts the bytes it would write.
@@ -15,7 +15,7 @@ import numpy as np
 
 from keras_mp._models import walk_layers
 from keras_mp.quantization import blocks
-from keras_mp.quantization import weight_calibration as wc
+from keras_mp.quantization import kernel_calibration as wc
 
 # keras_mp's block formats, weights only: (label, format, calibration).
 BLOCK_ROWS = [

@@ -24,7 +24,7 @@ from keras_mp.muppet.layers import (
     PrecisionState,
 )
 from keras_mp.quantization.legacy import QuantizeAnnotate, QuantizeWrapper
-from keras_mp.quantization.model import QuantizedModel
+from keras_mp.quantization.record import QuantizedModel
 from keras_mp.sparsity.saving import SparseModel
 
 __all__ = [

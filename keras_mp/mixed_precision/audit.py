@@ -156,7 +156,7 @@ def mixed_precision_audit(model, batch_size=None, verbose=True):
             "unknown. Call it on a batch or call `model.build(input_shape)` "
             "first."
         )
-    from keras_mp.quantization.layers import QuantizeActivation
+    from keras_mp.quantization.activation import QuantizeActivation
     from keras_mp.quantization.twins import WeightQuantizer
 
     quantizers = (QuantizeActivation, WeightQuantizer)

@@ -18,7 +18,7 @@ from keras_mp.muppet.layers import (
 from keras_mp.muppet.quantizer import check_word_length
 from keras_mp.muppet.record import apply_fixed_point_record
 from keras_mp.quantization import op_probe
-from keras_mp.quantization.layers import quantizable_row
+from keras_mp.quantization.activation import quantizable_row
 from keras_mp.quantization.recipe import PROBE_LENGTHS
 
 

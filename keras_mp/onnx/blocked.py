@@ -26,7 +26,7 @@ def block_quantizers(model):
     """`(description, quantizer, weight matrix)` of each enabled
     block-scaled weight quantizer of `model`: the weight as its `(K, N)`
     GEMM matrix (`quantizers.matrix_view`)."""
-    from keras_mp.quantization.quantizers import matrix_view
+    from keras_mp.quantization.fake_quant import matrix_view
     from keras_mp.quantization.twins import quantizers
 
     rows = []
@@ -73,7 +73,7 @@ def write_blocked_weights(model_proto, model):
         ExportError: a block-scaled weight reaches no MatMul/Gemm of the
             graph in a layout keras_mp can read, naming the quantizer.
     """
-    from keras_mp.quantization.quantizers import block_scale
+    from keras_mp.quantization.fake_quant import block_scale
 
     graph = model_proto.graph
     index = GraphIndex(model_proto)

@@ -7,7 +7,7 @@ DequantizeLinears."""
 import numpy as np
 
 from keras_mp.onnx.compare_graph import FLOAT_TYPES, fits
-from keras_mp.quantization.layers import QuantizeActivation
+from keras_mp.quantization.activation import QuantizeActivation
 
 # Candidates kept per layer call when its tensor was renamed: enough for
 # the calls of a layer repeated over time steps (`TimeDistributed`), whose

@@ -36,7 +36,7 @@ def carrier_quantizers(model):
     """`(description, format, exported scale, layer name)` of each enabled
     quantizer of `model` whose format the export writes through a
     carrier."""
-    from keras_mp.quantization.quantizers import MIN_AMAX
+    from keras_mp.quantization.fake_quant import MIN_AMAX
     from keras_mp.quantization.twins import quantizers
 
     rows = []

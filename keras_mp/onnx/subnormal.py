@@ -146,7 +146,7 @@ def _quantizer_scales(model):
     """`(description, range amax, exported scale)` of each enabled quantizer
     of `model`; the scale is the one tf2onnx writes for it:
     `max(amax, MIN_AMAX) / qmax` of its format, in float32."""
-    from keras_mp.quantization.quantizers import MIN_AMAX
+    from keras_mp.quantization.fake_quant import MIN_AMAX
     from keras_mp.quantization.twins import quantizers
 
     rows = []

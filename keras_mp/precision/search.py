@@ -33,10 +33,10 @@ from keras_mp.precision import metrics
 from keras_mp.precision.copies import float_copy, paths_in, quantizers_by_path
 from keras_mp.precision.reports import AutoQuantizeReport, Choice
 from keras_mp.precision.sensitivity import precision_tuple, score_layers
-from keras_mp.quantization.annotate import quantize_model
 from keras_mp.quantization.calibrate import calibrate
 from keras_mp.quantization.config import PRECISIONS, QuantizeConfig
 from keras_mp.quantization.names import NOT_QUANTIZED
+from keras_mp.quantization.quantize import quantize_model
 
 FLOAT = NOT_QUANTIZED  # TensorRT runs the layer in float16
 COSTS = ("latency", "bits")

@@ -36,10 +36,10 @@ from keras_mp.precision import metrics
 from keras_mp.precision.copies import float_copy
 from keras_mp.precision.reports import SensitivityReport, SensitivityRow
 from keras_mp.quantization import twins
-from keras_mp.quantization.annotate import quantize_model
 from keras_mp.quantization.calibrate import calibrate
 from keras_mp.quantization.config import PRECISIONS
 from keras_mp.quantization.names import canonical_names
+from keras_mp.quantization.quantize import quantize_model
 
 # Sibling layers decided together: one attention layer's projections read
 # one tensor (ModelOpt shares its input quantizer among them).

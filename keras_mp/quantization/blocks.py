@@ -127,7 +127,7 @@ def block_quantize_dequantize(
 
     The scales come from `x` itself (max per block, ModelOpt's "dynamic"
     blocks), or for INT4 from `scale` (e.g. found by
-    `weight_calibration.gptq`). The gradient is the straight-through
+    `kernel_calibration.gptq`). The gradient is the straight-through
     estimator with respect to `x` (scales are constants): everything
     passes when the scales come from `x`; with a given INT4 `scale`,
     values outside `[-8 * scale, 7 * scale]` get zero.

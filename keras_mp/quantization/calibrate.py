@@ -12,7 +12,7 @@ import keras
 import numpy as np
 
 from keras_mp import _inputs, _keras, _models
-from keras_mp.quantization.block_calibrate import (
+from keras_mp.quantization.calibrate_weights import (
     WEIGHT_METHODS,
     block_quantizers,
     calibrate_blocks,
@@ -177,7 +177,7 @@ def calibrate(
             range of any of these with the least quantization error of its
             inputs on its format's grid; the report's `chosen` says which).
             `"gptq"`: GPTQ rounding of the INT4 (block-scaled) weights on
-            their layers' inputs (`block_calibrate`; activation ranges of
+            their layers' inputs (`calibrate_weights`; activation ranges of
             the other layers by `"max"`); the report's `weight_errors`
             gives each weight's relative output error with max scales and
             with GPTQ. `"awq"`: AWQ scaling of the block-scaled (INT4,

@@ -4,7 +4,7 @@ A `NumberFormat` holds everything that differs between formats: the grid
 (`qmax`, `qmin`), its rounding function, and the element type the ONNX
 export writes, and the TensorRT facts of the format (which convolutions
 it runs, per-tensor convolution weights, a fixed softmax range). The
-fake-quant math (`quantizers.py`), the quantizer (`quantizer.py`), the
+fake-quant math (`fake_quant.py`), the quantizer (`tensor_quantizer.py`), the
 export, the placement (`placement.py`), the ONNX lint and the cost model
 (`keras_mp.precision.cost`) read the row; none of them branches on a
 format's name, so a new format is one row of `FORMATS`. Guide:

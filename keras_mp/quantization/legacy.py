@@ -19,16 +19,16 @@ from keras_mp import _models, layer_table
 from keras_mp._compat import require_tensorflow
 from keras_mp._load_only import LoadOnly
 from keras_mp.layer_table import ALL_INPUTS, NO_INPUTS
+from keras_mp.quantization.activation import QuantizeActivation, quantizable_row
 from keras_mp.quantization.config import QuantizeConfig
-from keras_mp.quantization.layers import QuantizeActivation, quantizable_row
-from keras_mp.quantization.quantizer import (
+from keras_mp.quantization.fake_quant import fake_quant
+from keras_mp.quantization.separable import separable_conv
+from keras_mp.quantization.tensor_quantizer import (
     _channel_view,
     _num_channels,
     tensor_amax,
     widen_saved_ranges,
 )
-from keras_mp.quantization.quantizers import fake_quant
-from keras_mp.quantization.separable import separable_conv
 
 LEGACY_HINT = (
     "holds layers saved by an earlier keras_mp ({names}): call "

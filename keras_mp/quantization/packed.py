@@ -135,7 +135,7 @@ def encode(quantizer, weight):
     """`(codes, scale)` of `weight` on `quantizer`'s INT4 grid: int8 codes
     of its `(K, N)` matrix view and float32 scales `(K / block_size, N)`
     (the quantizer's `amax / 7`)."""
-    from keras_mp.quantization.quantizers import block_scale, matrix_view
+    from keras_mp.quantization.fake_quant import block_scale, matrix_view
 
     view, _ = matrix_view(weight, quantizer.block_axes)
     scale = block_scale(quantizer.amax, quantizer.format).numpy()
@@ -148,7 +148,7 @@ def encode(quantizer, weight):
 def decode(quantizer, codes, scale, shape):
     """The weight of `shape` the int8 `(K, N)` `codes` and their `scale`
     give: `codes * scale`, in float32, laid out as the layer's weight."""
-    from keras_mp.quantization.quantizers import matrix_view
+    from keras_mp.quantization.fake_quant import matrix_view
 
     values = codes.astype(np.float32) * np.repeat(
         scale, quantizer.block_size, axis=0

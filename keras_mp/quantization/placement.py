@@ -27,8 +27,8 @@ import keras
 from keras_mp import _keras, layer_table
 from keras_mp.layer_table import ALL_INPUTS, NO_INPUTS, SKIP_INPUTS
 from keras_mp.quantization import op_probe
+from keras_mp.quantization.activation import quantizable_row
 from keras_mp.quantization.formats import FORMATS, number_format
-from keras_mp.quantization.layers import quantizable_row
 
 # How TensorRT treats the non-weighted ops around a Q/DQ (TensorRT Developer
 # Guide, "Explicit Quantization" > "TensorRT Processing of Q/DQ Networks"

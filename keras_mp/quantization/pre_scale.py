@@ -2,7 +2,7 @@
 
 `calibrate(method="awq")` multiplies a block-scaled kernel by `s` along K
 and the layer's input by `1 / s`, so the layer computes what it did
-before (`weight_calibration.awq`). keras_mp does not fold `1 / s` into the
+before (`kernel_calibration.awq`). keras_mp does not fold `1 / s` into the
 op before the layer (a LayerNorm/RMSNorm gamma, a previous GEMM): in a
 keras-hub block that op feeds several GEMMs (query, key, value; gate and
 up) whose AWQ scales differ, and in a Functional model it may feed a

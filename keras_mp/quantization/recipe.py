@@ -23,9 +23,9 @@ from keras_mp.quantization import (
     placement,
     pre_scale,
 )
+from keras_mp.quantization.activation import QuantizeActivation, quantizable_row
 from keras_mp.quantization.config import QuantizeConfig
 from keras_mp.quantization.formats import FORMATS
-from keras_mp.quantization.layers import QuantizeActivation, quantizable_row
 from keras_mp.quantization.twins import QuantizedLayer, WeightQuantizer
 
 

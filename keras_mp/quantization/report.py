@@ -9,9 +9,9 @@ import numpy as np
 from keras_mp import _keras, _models, _record, layer_table
 from keras_mp.layer_table import NO_INPUTS, SKIP_INPUTS
 from keras_mp.quantization import placement, twins
-from keras_mp.quantization.layers import quantizable_row
+from keras_mp.quantization.activation import quantizable_row
 from keras_mp.quantization.legacy import check_current
-from keras_mp.quantization.quantizer import TensorQuantizer
+from keras_mp.quantization.tensor_quantizer import TensorQuantizer
 
 
 def _quantized_row(layer):

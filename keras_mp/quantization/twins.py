@@ -21,8 +21,8 @@ from keras_mp import _keras, _models, _record
 from keras_mp._switch import Switch
 from keras_mp.quantization import op_sites, packed, pre_scale
 from keras_mp.quantization.legacy import check_current
-from keras_mp.quantization.quantizer import TensorQuantizer
 from keras_mp.quantization.separable import separable_conv
+from keras_mp.quantization.tensor_quantizer import TensorQuantizer
 
 
 @keras.saving.register_keras_serializable(package="keras_mp")

@@ -12,7 +12,7 @@ read silently, `names.py`).
 """
 
 from keras_mp import _models, _record
-from keras_mp.quantization import inplace, twins
+from keras_mp.quantization import attach, twins
 from keras_mp.quantization.config import QuantizeConfig
 from keras_mp.quantization.legacy import (
     LEGACY_CLASSES,
@@ -92,7 +92,7 @@ def upgrade(model):
             continue
         config = source.config or QuantizeConfig()
         if isinstance(source, QuantizeAnnotate):
-            setattr(layer, inplace.ANNOTATION, config)
+            setattr(layer, attach.ANNOTATION, config)
             continue
         entries.append(
             {

@@ -18,7 +18,7 @@ from hypothesis.extra import numpy as hnp
 
 from keras_mp.muppet.quantizer import fixed_point_quantize
 from keras_mp.onnx.tensorrt import is_2_4_sparse_onnx_weight
-from keras_mp.quantization.quantizers import MIN_AMAX, channel_amax, fake_quant
+from keras_mp.quantization.fake_quant import MIN_AMAX, channel_amax, fake_quant
 from keras_mp.sparsity.masks import is_2_4_sparse, magnitude_mask
 
 TINY = float(np.finfo(np.float32).tiny)  # smallest normal float32, 2**-126

@@ -10,7 +10,7 @@ import tensorflow as tf
 import keras_mp
 from keras_mp.quantization import FORMATS
 from keras_mp.quantization.calibrate import activation_quantizers
-from keras_mp.quantization.quantizers import fake_quant
+from keras_mp.quantization.fake_quant import fake_quant
 
 FP8 = FORMATS["float8"]
 

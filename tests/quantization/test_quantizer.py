@@ -17,7 +17,7 @@ import tensorflow as tf
 import keras_mp
 from keras_mp.quantization import QuantizeConfig, formats, twins
 from keras_mp.quantization.formats import FORMATS, NumberFormat, number_format
-from keras_mp.quantization.quantizer import TensorQuantizer
+from keras_mp.quantization.tensor_quantizer import TensorQuantizer
 from keras_mp.quantization.twins import WeightQuantizer
 from tests.quantization.conftest import images
 

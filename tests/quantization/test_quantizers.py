@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from keras_mp.quantization.quantizers import fake_quant
+from keras_mp.quantization.fake_quant import fake_quant
 
 
 def onnx_qdq(x, scale, axis=None, qmin=-128, qmax=127):

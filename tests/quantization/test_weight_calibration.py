@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from sklearn.datasets import load_digits
 
-from keras_mp.quantization import weight_calibration as wc
+from keras_mp.quantization import kernel_calibration as wc
 from keras_mp.quantization.blocks import block_quantize_dequantize
 
 

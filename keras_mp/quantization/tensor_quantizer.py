@@ -2,7 +2,7 @@
 
 Every Q/DQ of a quantized model is a `TensorQuantizer`: its range `amax`
 (state), an on/off switch, a calibration hook, and a `NumberFormat` row
-(`formats.py`) for the grid. `QuantizeActivation` (`layers.py`) and
+(`formats.py`) for the grid. `QuantizeActivation` (`activation.py`) and
 `WeightQuantizer` (`twins.py`) are this class with other defaults, kept
 under their registered names so saved files load. Guide:
 `docs/quantization.md`.
@@ -18,14 +18,7 @@ import tensorflow as tf
 from keras_mp import _keras
 from keras_mp._compat import require_tensorflow
 from keras_mp.quantization.blocks import block_activation_quantize_dequantize
-from keras_mp.quantization.formats import (
-    FORMATS,
-    NumberFormat,
-    dynamic_carrier,
-    number_format,
-    tracing,
-)
-from keras_mp.quantization.quantizers import (
+from keras_mp.quantization.fake_quant import (
     block_amax,
     block_fake_quant,
     block_shape,
@@ -34,6 +27,13 @@ from keras_mp.quantization.quantizers import (
     fake_quant,
     fake_quant_learned,
     matrix_view,
+)
+from keras_mp.quantization.formats import (
+    FORMATS,
+    NumberFormat,
+    dynamic_carrier,
+    number_format,
+    tracing,
 )
 
 

@@ -4,7 +4,7 @@ tfmot's flow (annotate, apply, fine-tune, strip) with one mechanism for
 every model: Sequential, Functional, subclassed, keras-hub backbones,
 layers inside custom layers or `MultiHeadAttention`. The selected layers
 of a copy of the model (or of the model itself, `in_place=True`) become
-their quantized twins where they are (`inplace.py`), keeping their names;
+their quantized twins where they are (`attach.py`), keeping their names;
 where the Q/DQ go is `placement.py`'s decision.
 """
 
@@ -12,9 +12,9 @@ import keras
 
 from keras_mp import _models
 from keras_mp._compat import require_tensorflow
-from keras_mp.quantization import inplace
+from keras_mp.quantization import attach
+from keras_mp.quantization.activation import quantizable_row
 from keras_mp.quantization.config import QuantizeConfig
-from keras_mp.quantization.layers import quantizable_row
 from keras_mp.quantization.legacy import check_current
 from keras_mp.quantization.twins import check_float
 
@@ -52,13 +52,13 @@ def quantize_annotate_layer(layer, config=None):
             f"Expected a Keras 3 layer. Received: {type(layer).__name__}"
         )
     if quantizable_row(layer) is None:
-        raise inplace.unsupported(layer)
+        raise attach.unsupported(layer)
     if config is not None and not isinstance(config, QuantizeConfig):
         raise TypeError(
             "`config` must be a QuantizeConfig. Received: "
             f"{type(config).__name__}"
         )
-    inplace.annotate(layer, config or QuantizeConfig())
+    attach.annotate(layer, config or QuantizeConfig())
     return layer
 
 
@@ -103,7 +103,7 @@ def quantize_annotate_model(model, layers=None, config=None):
     >>> qmodel = keras_mp.quantize_apply(annotated)
     """
     _check_float_model(model, "quantize_annotate_model")
-    return inplace.annotate_in_place(model, layers, config)
+    return attach.annotate_in_place(model, layers, config)
 
 
 def quantize_apply(model):
@@ -136,7 +136,7 @@ def quantize_apply(model):
     """
     require_tensorflow("keras_mp.quantize_apply")
     _check_float_model(model, "quantize_apply")
-    return inplace.quantize_in_place(model, annotated=True)
+    return attach.quantize_in_place(model, annotated=True)
 
 
 def quantize_model(
@@ -188,6 +188,6 @@ def quantize_model(
     require_tensorflow("keras_mp.quantize_model")
     _check_float_model(model, "quantize_model")
     default = QuantizeConfig(precision=precision or "int8")
-    return inplace.quantize_in_place(
+    return attach.quantize_in_place(
         model, layers, config, in_place=in_place, default=default
     )

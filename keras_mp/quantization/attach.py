@@ -4,7 +4,7 @@ The model is copied once through its config (or, with `in_place=True`,
 taken as it is), the selected layers become their quantized twins where
 they are (`twins.py`), keeping their names, by a recipe (`recipe.py`, with
 the placement of `placement.py`), and the result is a `keras_mp.RecordedModel`
-(`_record.py`), whose record holds the quantized layers (`model.py`).
+(`_record.py`), whose record holds the quantized layers (`record.py`).
 """
 
 import warnings
@@ -13,8 +13,8 @@ import keras
 
 from keras_mp import _keras, _models, _record, layer_table
 from keras_mp.quantization import placement
+from keras_mp.quantization.activation import quantizable_row
 from keras_mp.quantization.config import QuantizeConfig
-from keras_mp.quantization.layers import quantizable_row
 from keras_mp.quantization.recipe import apply_recipe, make_recipe
 from keras_mp.selection import layer_matcher
 

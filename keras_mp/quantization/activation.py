@@ -1,13 +1,13 @@
 """The activation Q/DQ layer, and which layers can be quantized.
 
-`QuantizeActivation` is the `TensorQuantizer` (`quantizer.py`) with an
+`QuantizeActivation` is the `TensorQuantizer` (`tensor_quantizer.py`) with an
 activation's defaults. Guide: `docs/quantization.md`.
 """
 
 import keras
 
 from keras_mp import layer_table
-from keras_mp.quantization.quantizer import TensorQuantizer
+from keras_mp.quantization.tensor_quantizer import TensorQuantizer
 
 
 @keras.saving.register_keras_serializable(package="keras_mp")

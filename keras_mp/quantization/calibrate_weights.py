@@ -6,14 +6,14 @@ a quantized layer's calls (`twins.probing`: the twin's own `__call__`, no
 `call` swapped), in one pass over the data with every quantizer as it is
 (the earlier GEMMs quantized as they run before this changes them).
 
-- `"gptq"` (INT4): `weight_calibration.gptq` rounds each kernel, as its
+- `"gptq"` (INT4): `kernel_calibration.gptq` rounds each kernel, as its
   `(K, N)` matrix; the layer keeps the rounded kernel and its quantizer
   the block ranges `7 * scale` (`amax`), which the export writes as they
   are. A later `calibrate(method="max")`, or a training step (the weight
   ranges follow the weights), sets max ranges again.
 - `"mse"` (INT4; `mse_block_ranges`): per block, the range with the
   least squared weight error, searched on the weights alone.
-- `"awq"` (INT4, NVFP4, MXFP8): `weight_calibration.awq` searches the
+- `"awq"` (INT4, NVFP4, MXFP8): `kernel_calibration.awq` searches the
   per-input-channel scales `s` (ModelOpt's `awq_lite`); the kernel becomes
   `s * W` (max block ranges of it) and the layer gets the input
   pre-scale `1 / s` (`pre_scale.InputScale`, saved, exported as a Mul
@@ -25,8 +25,8 @@ a quantized layer's calls (`twins.probing`: the twin's own `__call__`, no
 import numpy as np
 
 from keras_mp.quantization import pre_scale, twins
-from keras_mp.quantization.quantizers import matrix_view
-from keras_mp.quantization.weight_calibration import awq, gptq, mse_scales
+from keras_mp.quantization.fake_quant import matrix_view
+from keras_mp.quantization.kernel_calibration import awq, gptq, mse_scales
 
 # The weight methods of `calibrate`, and what each runs on one kernel.
 WEIGHT_METHODS = ("gptq", "awq")
@@ -144,7 +144,7 @@ def _awq(q, kernel, x, back):
 def mse_block_ranges(model):
     """Sets the block ranges of every enabled INT4 weight of `model` to
     the per-block ranges with the least squared weight error
-    (`weight_calibration.mse_scales`: 0.5 to 1 times the block's max),
+    (`kernel_calibration.mse_scales`: 0.5 to 1 times the block's max),
     for `calibrate(method="mse")`. NVFP4/MXFP8 scales follow from the
     values: left as they are.
 
