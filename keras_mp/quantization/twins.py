@@ -65,6 +65,9 @@ def _like(quantized, x):
 
 
 _PROBE = Switch()
+# The twin whose probed `__call__` is running: its `call` is not probed a
+# second time.
+_PROBED = Switch()
 
 
 def probing(probe):
@@ -94,7 +97,11 @@ class QuantizedLayer:
         parent = super()
         if probe is None:
             return parent.__call__(*args, **kwargs)
-        run = lambda: parent.__call__(*args, **kwargs)  # noqa: E731
+
+        def run():
+            with _PROBED.set(self):
+                return parent.__call__(*args, **kwargs)
+
         return probe(self, run, args, kwargs)
 
     @property
@@ -231,6 +238,18 @@ class QuantizedLayer:
         return mapping
 
     def call(self, *args, **kwargs):
+        probe = _PROBE.value
+        if probe is not None and _PROBED.value is not self:
+            # reached through `call`, not `__call__` (`TimeDistributed`
+            # calls its layer's `call` once per step): probed here
+            def run():
+                with _PROBED.set(self):
+                    return self._scoped_call(args, kwargs)
+
+            return probe(self, run, args, kwargs)
+        return self._scoped_call(args, kwargs)
+
+    def _scoped_call(self, args, kwargs):
         if getattr(self, "op_sites", None):
             with op_sites.scope(self):
                 return self._call(args, kwargs)

@@ -374,3 +374,22 @@ def test_a_model_that_cannot_be_copied_says_how_to_fix_it(trained):
         keras_mp.layer_sensitivity(model, x, y, verbose=0)
     with pytest.raises(ValueError, match="get_config.*quantize copies"):
         keras_mp.auto_quantize(model, x, y, verbose=0)
+
+
+def test_a_layer_inside_time_distributed_gets_a_score():
+    # TimeDistributed calls its layer's `call`: scored there (it scored 0,
+    # silently, when only `__call__` was probed)
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((5, 128))
+    h = keras.layers.TimeDistributed(
+        keras.layers.Dense(64, activation="relu", name="inner"), name="td"
+    )(inputs)
+    h = keras.layers.GlobalAveragePooling1D()(h)
+    model = keras.Model(inputs, keras.layers.Dense(10, name="head")(h))
+    x = np.random.default_rng(0).normal(size=(64, 5, 128)).astype("f4")
+    y = np.random.default_rng(1).integers(0, 10, 64)
+    report = keras_mp.layer_sensitivity(
+        model, x, y, num_batches=1, calibration_batches=1, verbose=0
+    )
+    row = next(r for r in report.rows if r.name == "td/inner")
+    assert row.scores["int8"] > 0 and row.work.flops > 0

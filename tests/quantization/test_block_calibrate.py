@@ -200,3 +200,20 @@ def test_mse_searches_int4_block_ranges_and_they_reach_the_onnx_file(
             qmodel, tmp_path / "mse.onnx", verify_data=_data(8, seed=2)
         )
     assert parity.rel_l2 < 1e-5
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_a_layer_inside_time_distributed_is_observed(method):
+    # TimeDistributed calls its layer's `call`, not `__call__`: the inputs
+    # are observed there (before: "the calibration data never reached")
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((5, 128))
+    h = keras.layers.TimeDistributed(
+        keras.layers.Dense(128, name="inner"), name="td"
+    )(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(32, name="head")(h))
+    qmodel = keras_mp.quantize_model(model, precision="int4")
+    x = np.random.default_rng(0).normal(size=(8, 5, 128)).astype("f4")
+    report = keras_mp.calibrate(qmodel, x, method=method, verbose=0)
+    before, after = report.weight_errors["td/inner/kernel"]
+    assert after <= before
