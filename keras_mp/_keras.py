@@ -307,7 +307,9 @@ def intercept_ops(names, make_wrapper):
                 continue
             if module_name == original.__module__:
                 continue  # its own module's internal calls stay as they are
-            if getattr(module, name, None) is original:
+            # the module's own names only: no module `__getattr__` runs
+            # (those of renamed modules warn, `keras_mp._moved`)
+            if getattr(module, "__dict__", {}).get(name) is original:
                 setattr(module, name, wrapper)
     return originals
 
