@@ -220,3 +220,60 @@ def test_an_input_tensorrt_cannot_block_falls_back_to_weights_only(tmp_path):
     proto = onnx.load(tmp_path / "m.onnx")
     dynamic = [n for n in proto.graph.node if n.domain == "trt"]
     assert len(dynamic) == 1  # the Dense's input only
+
+
+def test_nvfp4_weight_global_scale_stays_float32_in_float16(tmp_path):
+    # K=128 -> 256: glorot range ~0.14, so the weight's global scale
+    # amax / 2688 is below float16's smallest normal. It stays a float32
+    # constant (DQ -> DQ -> Cast(f16) -> MatMul, as ModelOpt), not raised
+    # to 6.1e-5 with its FP8 block scales "requantized" as INT8 codes.
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4, 128))
+    h = keras.layers.Dense(256, name="up")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(32, name="down")(h))
+    qmodel = keras_mp.quantize_model(model, precision="nvfp4")
+    x = np.random.default_rng(0).normal(size=(8, 4, 128)).astype("f4")
+    keras_mp.calibrate(qmodel, x, verbose=0)
+    report = keras_mp.export_onnx(
+        qmodel, tmp_path / "q.onnx", dtype="float16", verify_data=x
+    )
+    assert report.rel_l2 < 0.05
+    proto = onnx.load(tmp_path / "q.onnx")
+    inits = {i.name: i for i in proto.graph.initializer}
+    assert not any("fp16_normal" in name for name in inits)
+    scale_dqs = [
+        n
+        for n in proto.graph.node
+        if n.op_type == "DequantizeLinear"
+        and n.input[1] in inits
+        and inits[n.input[1]].data_type == TensorProto.FLOAT
+        and "weight_global_scale" in n.input[1]
+    ]
+    assert len(scale_dqs) == 2
+    gs = float(numpy_helper.to_array(inits[scale_dqs[0].input[1]]))
+    assert gs < np.finfo(np.float16).tiny
+    # the DQs' float32 weights are the Keras fake-quantized kernels
+    from keras_mp.quantization.twins import quantizers
+
+    weights = [n.output[0] for n in scale_dqs]
+    weights = [
+        n.output[0]
+        for n in proto.graph.node
+        if n.op_type == "DequantizeLinear" and n.input[1] in weights
+    ]
+    proto.graph.output.extend(
+        [helper.make_empty_tensor_value_info(w) for w in weights]
+    )
+    got = reference_evaluator(proto).run(weights, {"input_0": x})
+    want = [
+        q.quantizer(w).numpy()
+        for q in quantizers(qmodel, "export_onnx")
+        if q.weight
+        for w in q.layer.weights
+        if w.path.endswith("kernel")
+    ]
+    assert all(g.dtype == np.float32 for g in got)
+    assert sorted(float(np.sum(g)) for g in got) == sorted(
+        float(np.sum(w)) for w in want
+    )
+    assert keras_mp.check_tensorrt(proto).ok
