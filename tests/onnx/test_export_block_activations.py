@@ -277,3 +277,82 @@ def test_nvfp4_weight_global_scale_stays_float32_in_float16(tmp_path):
         float(np.sum(w)) for w in want
     )
     assert keras_mp.check_tensorrt(proto).ok
+
+
+def _td_model():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((3, 32))
+    h = keras.layers.TimeDistributed(keras.layers.Dense(32, name="fc"))(inputs)
+    x = np.random.default_rng(0).normal(size=(4, 3, 32)).astype("f4")
+    return keras.Model(inputs, keras.layers.Dense(4, name="out")(h)), x
+
+
+def _lstm_model():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((5,), dtype="int32")
+    h = keras.layers.Embedding(50, 32)(inputs)
+    h = keras.layers.Bidirectional(keras.layers.LSTM(32))(h)
+    x = np.random.default_rng(0).integers(0, 50, (4, 5)).astype("int32")
+    return keras.Model(inputs, keras.layers.Dense(4, name="out")(h)), x
+
+
+@pytest.mark.parametrize("make", [_td_model, _lstm_model])
+@pytest.mark.parametrize("precision", ["nvfp4", "mxfp8"])
+def test_quantize_placed_after_ops_that_keep_the_blocks(
+    make, precision, tmp_path
+):
+    # tf2onnx moves the carrier Q back across TimeDistributed's Transpose
+    # and per-step Slice / Squeeze, or a Bidirectional LSTM's Slice /
+    # Squeeze / Concat (of two 32-wide halves): none moves a block, so the
+    # DynamicQuantize goes on the float values before the MatMul.
+    model, x = make()
+    qmodel = keras_mp.quantize_model(model, precision=precision)
+    keras_mp.calibrate(qmodel, x, verbose=0)
+    report = keras_mp.export_onnx(
+        qmodel, tmp_path / "q.onnx", dtype="float16", verify_data=x
+    )
+    assert report.rel_l2 < 0.05 and report.top1_agreement == 1.0
+    proto = onnx.load(tmp_path / "q.onnx")
+    assert any(n.domain == "trt" for n in proto.graph.node)
+    assert keras_mp.check_tensorrt(proto).ok
+
+
+def test_an_op_that_moves_the_blocks_is_refused():
+    from keras_mp.onnx.dynamic_blocks import _keeps_blocks
+
+    graph = helper.make_graph(
+        [
+            helper.make_node("Transpose", ["c"], ["t"], perm=[0, 2, 1]),
+            helper.make_node("Transpose", ["c"], ["k"], perm=[1, 0, 2]),
+            helper.make_node("Slice", ["c", "s", "e", "last"], ["l"]),
+            helper.make_node("Slice", ["c", "s", "e", "first"], ["f"]),
+            helper.make_node("Reshape", ["c", "flat"], ["r"]),
+            helper.make_node("Unsqueeze", ["c", "last"], ["u"]),
+        ],
+        "g",
+        [],
+        [],
+        [
+            numpy_helper.from_array(np.asarray(v, np.int64), n)
+            for n, v in [
+                ("s", [0]),
+                ("e", [16]),
+                ("last", [-1]),
+                ("first", [0]),
+                ("flat", [-1, 24]),
+            ]
+        ],
+    )
+    shapes = {"c": [2, 3, 32], "r": [None, 24]}
+    keeps = {
+        n.output[0]: _keeps_blocks(n, "c", graph, shapes, 16)
+        for n in graph.node
+    }
+    assert keeps == {
+        "t": False,
+        "k": True,
+        "l": False,
+        "f": True,
+        "r": False,
+        "u": False,
+    }
