@@ -356,3 +356,57 @@ def test_an_op_that_moves_the_blocks_is_refused():
         "r": False,
         "u": False,
     }
+
+
+@pytest.mark.parametrize("precision", ["nvfp4", "mxfp8"])
+def test_fake_quant_of_an_input_with_several_unknown_dims(precision):
+    # (batch, sequence, hidden) with batch and sequence unknown: the
+    # block reshape reads them at run time (one -1 at most)
+    x = np.random.default_rng(0).normal(size=(2, 3, 64)).astype("f4")
+    fn = tf.function(
+        lambda t: block_activation_quantize_dequantize(t, precision, 4.0),
+        input_signature=[tf.TensorSpec((None, None, 64), tf.float32)],
+    )
+    want = block_activation_quantize_dequantize(x, precision, 4.0)
+    np.testing.assert_array_equal(fn(x).numpy(), want.numpy())
+
+
+@pytest.mark.parametrize("precision", ["nvfp4", "mxfp8"])
+def test_gpt2_backbone_exports(precision, tmp_path):
+    keras_hub = pytest.importorskip("keras_hub")
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=64,
+        num_layers=1,
+        num_heads=2,
+        hidden_dim=32,
+        intermediate_dim=64,
+        max_sequence_length=8,
+    )
+    x = {
+        "token_ids": np.random.default_rng(0)
+        .integers(0, 64, (2, 8))
+        .astype("int32"),
+        "padding_mask": np.ones((2, 8), "int32"),
+    }
+    with pytest.warns(UserWarning, match="attention_output"):
+        qmodel = keras_mp.quantize_model(backbone, precision=precision)
+    keras_mp.calibrate(qmodel, x, verbose=0)
+    # NVFP4 activations: E2M1 rounding flips turn float16's 2**-11 into
+    # several % at the outputs (as much as Keras itself moves under that
+    # noise), past the default 16-bit tolerances on this untrained model
+    tolerances = (
+        {"max_rel_l2": 0.25, "min_top1_agreement": 0.5}
+        if precision == "nvfp4"
+        else {}
+    )
+    report = keras_mp.export_onnx(
+        qmodel,
+        tmp_path / "q.onnx",
+        dtype="float16",
+        verify_data=x,
+        **tolerances,
+    )
+    assert report.runtime == "onnx.reference"
+    proto = onnx.load(tmp_path / "q.onnx")
+    assert any(n.domain == "trt" for n in proto.graph.node)
