@@ -115,18 +115,26 @@ def write_dynamic_quantizers(model_proto, model, dtype):
     DynamicQuantize and DequantizeLinear(s), in place.
 
     tf2onnx's optimizer moves a Q back across the ops that only move values
-    (a Dense's Tensordot Reshape to `(-1, K)`) and gives each reader a DQ:
-    the ops between run on the float values again, each DQ that feeds
-    anything but a Shape becomes the DynamicQuantize and its DQs (blocked
-    along the last axis, which those reshapes keep: K), a DQ read only by
-    Shape ops goes.
+    (a Dense's Tensordot Reshape to `(-1, K)`, TimeDistributed's Transpose
+    and per-step Slice, a Bidirectional LSTM's Slice / Squeeze / Concat of
+    its last steps) and gives each reader a DQ: the ops between run on the
+    float values again, each DQ that feeds anything but a Shape becomes the
+    DynamicQuantize and its DQs, a DQ read only by Shape ops goes. Blocks
+    along the last axis commute exactly with each op crossed that keeps
+    every block whole and in place (`_keeps_blocks`): a Transpose whose
+    perm leaves the last axis last, a Slice / Gather / Squeeze / Unsqueeze
+    off the last axis, a Reshape / Flatten whose last axis is a multiple of
+    the block (blocks are the same runs of values in memory order), a
+    Concat of this quantizer's codes whose parts along the last axis are
+    multiples of the block; the global scale (NVFP4) is one per tensor.
 
     Returns:
         The descriptions of the quantizers written.
 
     Raises:
         ExportError: a quantizer has no carrier in the graph, or its codes
-            cross an op that could move K off the last axis.
+            cross an op that moves or splits the blocks (or one whose
+            effect on them the graph does not tell).
     """
     from onnx import helper
 
@@ -134,24 +142,26 @@ def write_dynamic_quantizers(model_proto, model, dtype):
     found = dynamic_quantizers(model)
     wanted = np.asarray([_marker(k) for k in range(len(found))], np.float64)
     inits = {i.name: i for i in graph.initializer}
+    shapes = _shapes(model_proto)
     written = []
-    for quant in list(graph.node):
+    groups = {}  # tf2onnx may split a carrier Q (one per Concat input)
+    for quant in graph.node:
         match = _carrier(quant, inits, wanted)
-        if match is None:
-            continue
+        if match is not None:
+            groups.setdefault(match, []).append(quant)
+    for match, quants in groups.items():
         description, q = found[match]
-        codes, dqs = _codes_and_dqs(graph, quant, description)
-        float_input = quant.input[0]
+        codes, dqs = _codes_and_dqs(
+            graph, quants, description, shapes, q.block_size
+        )
+        floats = {quant.output[0]: quant.input[0] for quant in quants}
         for node in graph.node:  # the moved ops read the float values
             for i, name in enumerate(node.input):
-                if (
-                    name == quant.output[0]
-                    and node.op_type != "DequantizeLinear"
-                ):
-                    node.input[i] = float_input
+                if name in floats and node.op_type != "DequantizeLinear":
+                    node.input[i] = floats[name]
         for k, dq in enumerate(dqs):
             readers = [n for n in graph.node if dq.output[0] in n.input]
-            x = float_input if dq.input[0] == quant.output[0] else dq.input[0]
+            x = floats.get(dq.input[0], dq.input[0])
             at = list(graph.node).index(dq)
             graph.node.remove(dq)
             if readers and all(n.op_type == "Shape" for n in readers):
@@ -162,7 +172,8 @@ def write_dynamic_quantizers(model_proto, model, dtype):
             nodes = _dynamic_nodes(q, x, dq.output[0], base, graph)
             for i, node in enumerate(nodes):
                 graph.node.insert(at + i, node)
-        graph.node.remove(quant)
+        for quant in quants:
+            graph.node.remove(quant)
         for info in list(graph.value_info):
             if info.name in codes:
                 graph.value_info.remove(info)
@@ -182,10 +193,6 @@ def write_dynamic_quantizers(model_proto, model, dtype):
     return written
 
 
-# Ops tf2onnx moves a Q across that keep the last axis's blocks whole.
-_KEEPS_LAST_AXIS = frozenset({"Reshape", "Identity", "Flatten", "Unsqueeze"})
-
-
 def _carrier(quant, inits, wanted):
     """The index of the marker `quant`'s scale is, or None."""
     from onnx import numpy_helper
@@ -200,31 +207,183 @@ def _carrier(quant, inits, wanted):
     return int(err.argmin()) if err.min() <= _MATCH_RTOL else None
 
 
-def _codes_and_dqs(graph, quant, description):
-    """The code tensors of carrier Q `quant` (its output and the outputs of
-    the ops that move it) and the DequantizeLinears reading them."""
-    codes, dqs, frontier = {quant.output[0]}, [], [quant.output[0]]
+def _codes_and_dqs(graph, quants, description, shapes, block_size):
+    """The code tensors of the carrier Qs `quants` of one quantizer (their
+    outputs and the outputs of the ops that move them) and the
+    DequantizeLinears reading them."""
+    frontier = [quant.output[0] for quant in quants]
+    codes, dqs, moved = set(frontier), [], {}
     while frontier:
         name = frontier.pop()
         for node in graph.node:
             if name not in node.input:
                 continue
             if node.op_type == "DequantizeLinear":
-                dqs.append(node)
-            elif node.op_type in _KEEPS_LAST_AXIS and node.input[0] == name:
+                if node.input[0] == name:
+                    dqs.append(node)
+                    continue
+            elif node.op_type == "Shape":
+                continue  # the same shape on the float values
+            elif id(node) in moved:
+                continue
+            elif _keeps_blocks(node, name, graph, shapes, block_size):
+                moved[id(node)] = node
                 codes.add(node.output[0])
                 frontier.append(node.output[0])
-            else:
-                raise ExportError(
-                    f"The NVFP4/MXFP8 activation of quantizer "
-                    f"{description!r} crosses ONNX op {node.op_type} "
-                    f"{node.name!r} on its way to its MatMul, which could "
-                    "move K off the last axis the blocks run along. "
-                    "Quantize this layer's weights only "
-                    "(QuantizeConfig(weights_only=True)) and report the "
-                    "model. Nothing was written."
-                )
+                continue
+            raise _crossing_error(description, node)
+    for node in moved.values():  # a Concat of these codes only
+        if node.op_type == "Concat" and not set(node.input) <= codes:
+            raise _crossing_error(description, node)
     return codes, dqs
+
+
+def _crossing_error(description, node):
+    return ExportError(
+        f"The NVFP4/MXFP8 activation of quantizer {description!r} crosses "
+        f"ONNX op {node.op_type} {node.name!r} on its way to its MatMul, "
+        "which could move K off the last axis the blocks run along. "
+        "Quantize this layer's weights only "
+        "(QuantizeConfig(weights_only=True)) and report the model. "
+        "Nothing was written."
+    )
+
+
+def _shapes(model_proto):
+    """Inferred shapes by tensor name (int or None per dim)."""
+    import onnx
+
+    try:
+        typed = onnx.shape_inference.infer_shapes(model_proto).graph
+    except Exception:  # an untyped graph: the ops that need ranks refuse
+        return {}
+    shapes = {}
+    for info in [*typed.value_info, *typed.input, *typed.output]:
+        tensor = info.type.tensor_type
+        if tensor.HasField("shape"):
+            shapes[info.name] = [
+                d.dim_value if d.HasField("dim_value") else None
+                for d in tensor.shape.dim
+            ]
+    return shapes
+
+
+def _const(graph, name):
+    """The int64 values of constant `name`, or None."""
+    from onnx import numpy_helper
+
+    from keras_mp.onnx.graph import constant_value
+
+    for init in graph.initializer:
+        if init.name == name:
+            return numpy_helper.to_array(init).astype(np.int64).ravel()
+    for node in graph.node:
+        if node.op_type == "Constant" and node.output[0] == name:
+            value = constant_value(node)
+            return None if value is None else value[0].astype(np.int64).ravel()
+    return None
+
+
+def _last_target_dim(graph, name):
+    """The last entry of a Reshape's computed target shape when it is a
+    constant (a Concat whose last part is one, through Casts), or None."""
+    producers = {o: n for n in graph.node for o in n.output}
+    for _ in range(8):
+        node = producers.get(name)
+        if node is None or node.op_type not in ("Cast", "Identity", "Concat"):
+            break
+        name = node.input[-1]
+        value = _const(graph, name)
+        if value is not None:
+            return int(value[-1]) if value.size and value[-1] > 0 else None
+    return None
+
+
+def _axes(graph, node, slot, rank):
+    """`node`'s axes (an input at `slot`, or the `axes` attribute of
+    opsets before 13), normalized to `rank`; None when not constant."""
+    from keras_mp.onnx.graph import attr
+
+    if len(node.input) > slot and node.input[slot]:
+        axes = _const(graph, node.input[slot])
+    else:
+        axes = attr(node, "axes", None)
+    if axes is None:
+        return None
+    return [int(a) % rank for a in axes]
+
+
+def _keeps_blocks(node, name, graph, shapes, block_size):
+    """Whether `node`, reading codes `name`, leaves every block of
+    `block_size` along the last axis whole and in place."""
+    from keras_mp.onnx.graph import attr
+
+    shape = shapes.get(name)
+    out = shapes.get(node.output[0])
+    rank = None if shape is None else len(shape)
+    op = node.op_type
+    if op == "Identity":
+        return True
+    if op in ("Reshape", "Flatten"):
+        if node.input[0] != name:
+            return False
+        last = out[-1] if out else None
+        if last is None and op == "Reshape":
+            target = _const(graph, node.input[1])
+            if target is not None and target.size and target[-1] > 0:
+                last = int(target[-1])
+            elif target is None:  # Concat(dims read at run time, K)
+                last = _last_target_dim(graph, node.input[1])
+            elif (  # 0 copies the input's last dim to the same place
+                target is not None
+                and target.size == rank
+                and target[-1] == 0
+                and shape[-1] is not None
+            ):
+                last = shape[-1]
+        if last is None and op == "Flatten" and rank:
+            axis = int(attr(node, "axis", 1)) % rank
+            last = shape[-1] if axis == rank - 1 else None
+        if last is None and rank is None:
+            return op == "Reshape"  # as before: (-1, K) of a Tensordot
+        return last is not None and last % block_size == 0
+    if rank is None or node.input[0] != name and op != "Concat":
+        return False
+    if op == "Transpose":
+        perm = attr(node, "perm", None)
+        return perm is not None and int(perm[-1]) % rank == rank - 1
+    if op == "Slice":
+        axes = _axes(graph, node, 3, rank)
+        if axes is None and len(node.input) <= 3:
+            starts = _const(graph, node.input[1])
+            axes = None if starts is None else list(range(len(starts)))
+        return axes is not None and rank - 1 not in axes
+    if op == "Gather":
+        return int(attr(node, "axis", 0)) % rank != rank - 1
+    if op == "Squeeze":
+        if len(node.input) < 2 and attr(node, "axes", None) is None:
+            return shape[-1] is not None and shape[-1] > 1
+        axes = _axes(graph, node, 1, rank)
+        return axes is not None and rank - 1 not in axes
+    if op == "Unsqueeze":
+        raw = _const(graph, node.input[1]) if len(node.input) > 1 else None
+        if raw is None:
+            raw = attr(node, "axes", None)
+        if raw is None:
+            return False
+        rank_out = rank + len(raw)
+        return rank_out - 1 not in [int(a) % rank_out for a in raw]
+    if op == "Concat":
+        axis = int(attr(node, "axis", 0)) % rank
+        if axis != rank - 1:
+            return True
+        return all(
+            shapes.get(i)
+            and shapes[i][-1] is not None
+            and shapes[i][-1] % block_size == 0
+            for i in node.input
+        )
+    return False
 
 
 def _dynamic_nodes(q, x, out, base, graph):

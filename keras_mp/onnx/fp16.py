@@ -10,7 +10,11 @@ import numpy as np
 
 from keras_mp._compat import optional_import
 from keras_mp.onnx.graph import FLOAT, reads, subgraphs, walk
-from keras_mp.onnx.subnormal import raise_subnormal_scales, raised_message
+from keras_mp.onnx.subnormal import (
+    block_scale_dqs,
+    raise_subnormal_scales,
+    raised_message,
+)
 
 # Float inputs that ONNX requires to stay float32 whatever the data type:
 # (op_type, input index).
@@ -184,6 +188,9 @@ def to_half(model_proto, dtype="float16", islands=None, model=None):
     island = set(islands or ())
     model_copy = onnx.ModelProto()
     model_copy.CopyFrom(model_proto)
+    # NVFP4 weights: float32 global scale and DQs, a Cast to the GEMM
+    global_scales, scale_dqs = block_scale_dqs(model_copy.graph)
+    island |= scale_dqs
     if dtype == "float16":
         raised = raise_subnormal_scales(model_copy)
         if raised:
@@ -198,7 +205,7 @@ def to_half(model_proto, dtype="float16", islands=None, model=None):
         if v.type.tensor_type.elem_type == FLOAT
     }
     is_float |= {i.name for i in graph.initializer if i.data_type == FLOAT}
-    keep32 = set()
+    keep32 = set(global_scales)
     for node, _, _ in walk(graph):
         for op_type, slot in KEEP_FLOAT32_INPUTS:
             if node.op_type == op_type and len(node.input) > slot:

@@ -256,11 +256,21 @@ class GraphIndex:
             elif node.op_type in LAYOUT_OPS:
                 if source.dq is None:
                     source.layout.append(node)
-            else:
+            elif not (node.op_type == "Cast" and self._after_dq(node, source)):
                 return source
             tensor = node.input[0]
         source.name, source.array = tensor, self.constants[tensor]
         return source
+
+    def _after_dq(self, cast, source):
+        """Whether `cast` is the Cast of a DequantizeLinear's values to the
+        GEMM's type (NVFP4's float32 "DQ -> DQ -> Cast(f16) -> MatMul")."""
+        producer = self.producers.get(cast.input[0])
+        return (
+            source.dq is None
+            and producer is not None
+            and producer.op_type == "DequantizeLinear"
+        )
 
     def quantized_inputs(self, op):
         """For the first two inputs of `op`: whether a DQ produces it."""

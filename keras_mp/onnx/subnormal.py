@@ -39,6 +39,38 @@ class RaisedScale:
     empty: np.ndarray = None
 
 
+def block_scale_dqs(graph):
+    """NVFP4's scales of scales: `(global scales, weight DQs)`.
+
+    NVFP4 dequantizes in two steps, `DQ(FP8 E4M3 block scales, float32
+    global scale)` then `DQ(FP4 codes, that)`: the global scale is a
+    float32 constant in ModelOpt's export (`amax / (6 * 448)`, below
+    float16's smallest normal for any weight whose range is under 0.16),
+    and so are the scales and values the two DQs compute, cast to 16-bit
+    before the GEMM ("DQ -> DQ -> Cast(f16) -> MatMul"). Returns the
+    names of those global scales (read by such a DQ, the FP8 block scales
+    a constant or a `TRT_FP4DynamicQuantize` output) and the names of the
+    two DQs of each weight (FP8 block scales a constant): the 16-bit pass
+    keeps them in float32, with a Cast after. A scale of scales is told by
+    its place (a DQ whose output is another DQ's scale), not by types: an
+    FP8 weight's DQ reads FP8 codes and a float32 scale too."""
+    inits = {i.name for i in graph.initializer}
+    dqs = [
+        n
+        for n in graph.node
+        if n.op_type == "DequantizeLinear" and len(n.input) > 1
+    ]
+    second = {n.input[1]: n for n in dqs}  # a DQ whose scale a DQ computes
+    scales, names = set(), set()
+    for node in dqs:
+        if node.output[0] not in second:
+            continue
+        scales.add(node.input[1])
+        if node.input[0] in inits:  # a weight's: both DQs
+            names |= {node.name, second[node.output[0]].name}
+    return scales, names
+
+
 def raise_subnormal_scales(model_proto):
     """Raises every Q/DQ scale below float16's smallest normal to it.
 
@@ -79,10 +111,17 @@ def raise_subnormal_scales(model_proto):
         return name
 
     raised, replaced = [], set()
+    float32_scales, _ = block_scale_dqs(graph)
     for tensor, nodes in readers.items():
+        if tensor in float32_scales:
+            continue  # NVFP4's global scale: float32 in the 16-bit graph
         scale = index.const(tensor)
         if scale is None:
             continue  # computed at run time: the lint's `scale` rule says so
+        if np.asarray(scale).dtype.kind != "f" or np.asarray(
+            scale
+        ).dtype.itemsize not in (2, 4, 8):
+            continue  # E8M0 / FP8 scales: powers of two, not float16
         scale = np.asarray(scale, np.float32)
         if not np.all(np.isfinite(scale) & (scale > 0)):
             bad = scale[~(np.isfinite(scale) & (scale > 0))].ravel()

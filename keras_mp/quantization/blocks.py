@@ -387,10 +387,15 @@ def _check(x, format, block_size, axis, scale):
 
 def _blocked(x, block_size, axis):
     """`x` with its blocked axis split into (blocks, block_size)."""
-    shape = x.shape.as_list()
-    k = shape[axis]
+    static = x.shape.as_list()
+    k = static[axis]
+    if None in static:  # one -1 at most: the unknown ones read at run time
+        dynamic = tf.unstack(tf.shape(x))
+        shape = [dynamic[i] if d is None else d for i, d in enumerate(static)]
+    else:
+        shape = list(static)
     shape[axis : axis + 1] = [k // block_size, block_size]
-    return tf.reshape(x, [-1 if d is None else d for d in shape])
+    return tf.reshape(x, tf.stack(shape) if None in static else shape)
 
 
 def _quantize(x, fmt, block_size, axis, scale):

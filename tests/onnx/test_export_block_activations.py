@@ -220,3 +220,193 @@ def test_an_input_tensorrt_cannot_block_falls_back_to_weights_only(tmp_path):
     proto = onnx.load(tmp_path / "m.onnx")
     dynamic = [n for n in proto.graph.node if n.domain == "trt"]
     assert len(dynamic) == 1  # the Dense's input only
+
+
+def test_nvfp4_weight_global_scale_stays_float32_in_float16(tmp_path):
+    # K=128 -> 256: glorot range ~0.14, so the weight's global scale
+    # amax / 2688 is below float16's smallest normal. It stays a float32
+    # constant (DQ -> DQ -> Cast(f16) -> MatMul, as ModelOpt), not raised
+    # to 6.1e-5 with its FP8 block scales "requantized" as INT8 codes.
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4, 128))
+    h = keras.layers.Dense(256, name="up")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(32, name="down")(h))
+    qmodel = keras_mp.quantize_model(model, precision="nvfp4")
+    x = np.random.default_rng(0).normal(size=(8, 4, 128)).astype("f4")
+    keras_mp.calibrate(qmodel, x, verbose=0)
+    report = keras_mp.export_onnx(
+        qmodel, tmp_path / "q.onnx", dtype="float16", verify_data=x
+    )
+    assert report.rel_l2 < 0.05
+    proto = onnx.load(tmp_path / "q.onnx")
+    inits = {i.name: i for i in proto.graph.initializer}
+    assert not any("fp16_normal" in name for name in inits)
+    scale_dqs = [
+        n
+        for n in proto.graph.node
+        if n.op_type == "DequantizeLinear"
+        and n.input[1] in inits
+        and inits[n.input[1]].data_type == TensorProto.FLOAT
+        and "weight_global_scale" in n.input[1]
+    ]
+    assert len(scale_dqs) == 2
+    gs = float(numpy_helper.to_array(inits[scale_dqs[0].input[1]]))
+    assert gs < np.finfo(np.float16).tiny
+    # the DQs' float32 weights are the Keras fake-quantized kernels
+    from keras_mp.quantization.twins import quantizers
+
+    weights = [n.output[0] for n in scale_dqs]
+    weights = [
+        n.output[0]
+        for n in proto.graph.node
+        if n.op_type == "DequantizeLinear" and n.input[1] in weights
+    ]
+    proto.graph.output.extend(
+        [helper.make_empty_tensor_value_info(w) for w in weights]
+    )
+    got = reference_evaluator(proto).run(weights, {"input_0": x})
+    want = [
+        q.quantizer(w).numpy()
+        for q in quantizers(qmodel, "export_onnx")
+        if q.weight
+        for w in q.layer.weights
+        if w.path.endswith("kernel")
+    ]
+    assert all(g.dtype == np.float32 for g in got)
+    assert sorted(float(np.sum(g)) for g in got) == sorted(
+        float(np.sum(w)) for w in want
+    )
+    assert keras_mp.check_tensorrt(proto).ok
+
+
+def _td_model():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((3, 32))
+    h = keras.layers.TimeDistributed(keras.layers.Dense(32, name="fc"))(inputs)
+    x = np.random.default_rng(0).normal(size=(4, 3, 32)).astype("f4")
+    return keras.Model(inputs, keras.layers.Dense(4, name="out")(h)), x
+
+
+def _lstm_model():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((5,), dtype="int32")
+    h = keras.layers.Embedding(50, 32)(inputs)
+    h = keras.layers.Bidirectional(keras.layers.LSTM(32))(h)
+    x = np.random.default_rng(0).integers(0, 50, (4, 5)).astype("int32")
+    return keras.Model(inputs, keras.layers.Dense(4, name="out")(h)), x
+
+
+@pytest.mark.parametrize("make", [_td_model, _lstm_model])
+@pytest.mark.parametrize("precision", ["nvfp4", "mxfp8"])
+def test_quantize_placed_after_ops_that_keep_the_blocks(
+    make, precision, tmp_path
+):
+    # tf2onnx moves the carrier Q back across TimeDistributed's Transpose
+    # and per-step Slice / Squeeze, or a Bidirectional LSTM's Slice /
+    # Squeeze / Concat (of two 32-wide halves): none moves a block, so the
+    # DynamicQuantize goes on the float values before the MatMul.
+    model, x = make()
+    qmodel = keras_mp.quantize_model(model, precision=precision)
+    keras_mp.calibrate(qmodel, x, verbose=0)
+    report = keras_mp.export_onnx(
+        qmodel, tmp_path / "q.onnx", dtype="float16", verify_data=x
+    )
+    assert report.rel_l2 < 0.05 and report.top1_agreement == 1.0
+    proto = onnx.load(tmp_path / "q.onnx")
+    assert any(n.domain == "trt" for n in proto.graph.node)
+    assert keras_mp.check_tensorrt(proto).ok
+
+
+def test_an_op_that_moves_the_blocks_is_refused():
+    from keras_mp.onnx.dynamic_blocks import _keeps_blocks
+
+    graph = helper.make_graph(
+        [
+            helper.make_node("Transpose", ["c"], ["t"], perm=[0, 2, 1]),
+            helper.make_node("Transpose", ["c"], ["k"], perm=[1, 0, 2]),
+            helper.make_node("Slice", ["c", "s", "e", "last"], ["l"]),
+            helper.make_node("Slice", ["c", "s", "e", "first"], ["f"]),
+            helper.make_node("Reshape", ["c", "flat"], ["r"]),
+            helper.make_node("Unsqueeze", ["c", "last"], ["u"]),
+        ],
+        "g",
+        [],
+        [],
+        [
+            numpy_helper.from_array(np.asarray(v, np.int64), n)
+            for n, v in [
+                ("s", [0]),
+                ("e", [16]),
+                ("last", [-1]),
+                ("first", [0]),
+                ("flat", [-1, 24]),
+            ]
+        ],
+    )
+    shapes = {"c": [2, 3, 32], "r": [None, 24]}
+    keeps = {
+        n.output[0]: _keeps_blocks(n, "c", graph, shapes, 16)
+        for n in graph.node
+    }
+    assert keeps == {
+        "t": False,
+        "k": True,
+        "l": False,
+        "f": True,
+        "r": False,
+        "u": False,
+    }
+
+
+@pytest.mark.parametrize("precision", ["nvfp4", "mxfp8"])
+def test_fake_quant_of_an_input_with_several_unknown_dims(precision):
+    # (batch, sequence, hidden) with batch and sequence unknown: the
+    # block reshape reads them at run time (one -1 at most)
+    x = np.random.default_rng(0).normal(size=(2, 3, 64)).astype("f4")
+    fn = tf.function(
+        lambda t: block_activation_quantize_dequantize(t, precision, 4.0),
+        input_signature=[tf.TensorSpec((None, None, 64), tf.float32)],
+    )
+    want = block_activation_quantize_dequantize(x, precision, 4.0)
+    np.testing.assert_array_equal(fn(x).numpy(), want.numpy())
+
+
+@pytest.mark.parametrize("precision", ["nvfp4", "mxfp8"])
+def test_gpt2_backbone_exports(precision, tmp_path):
+    keras_hub = pytest.importorskip("keras_hub")
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=64,
+        num_layers=1,
+        num_heads=2,
+        hidden_dim=32,
+        intermediate_dim=64,
+        max_sequence_length=8,
+    )
+    x = {
+        "token_ids": np.random.default_rng(0)
+        .integers(0, 64, (2, 8))
+        .astype("int32"),
+        "padding_mask": np.ones((2, 8), "int32"),
+    }
+    with pytest.warns(UserWarning, match="attention_output"):
+        qmodel = keras_mp.quantize_model(backbone, precision=precision)
+    keras_mp.calibrate(qmodel, x, verbose=0)
+    # NVFP4 activations: E2M1 rounding flips turn float16's 2**-11 into
+    # several % at the outputs (as much as Keras itself moves under that
+    # noise), past the default 16-bit tolerances on this untrained model
+    tolerances = (
+        {"max_rel_l2": 0.25, "min_top1_agreement": 0.5}
+        if precision == "nvfp4"
+        else {}
+    )
+    report = keras_mp.export_onnx(
+        qmodel,
+        tmp_path / "q.onnx",
+        dtype="float16",
+        verify_data=x,
+        **tolerances,
+    )
+    assert report.runtime == "onnx.reference"
+    proto = onnx.load(tmp_path / "q.onnx")
+    assert any(n.domain == "trt" for n in proto.graph.node)
