@@ -230,7 +230,10 @@ def export_onnx(
         max_rel_l2: float, positive. Parity tolerance. Defaults to 0.01, or
             0.05 with a 16-bit `dtype` (float16 arithmetic and float16
             scales move the logits by about 1% against the float32 Keras
-            model).
+            model), or 0.25 (and `min_top1_agreement` 0.8) for a model
+            with NVFP4 inputs: they read 16-bit values, and one float16
+            rounding at a boundary of E2M1's coarse levels moves a value a
+            whole step (`dynamic_blocks.NVFP4_INPUT_MAX_REL_L2`).
         fp16: bool. Deprecated alias of `dtype="float16"` (a
             `DeprecationWarning`). Defaults to False.
         allow_lint_violations: bool. For a model keras_mp quantized
@@ -310,10 +313,15 @@ def export_onnx(
             f"{onnx_fp16.MIN_OPSET}. Received: opset={opset}. Pass "
             f"opset={onnx_fp16.MIN_OPSET}."
         )
+    nvfp4 = dtype and dynamic_blocks.has_nvfp4_inputs(model)
     if max_rel_l2 is None:
         max_rel_l2 = 0.05 if dtype else 0.01
+        if nvfp4:
+            max_rel_l2 = dynamic_blocks.NVFP4_INPUT_MAX_REL_L2
     if min_top1_agreement is None:
         min_top1_agreement = 0.99 if dtype else 0.999
+        if nvfp4:
+            min_top1_agreement = dynamic_blocks.NVFP4_INPUT_MIN_TOP1
     check_tolerances(min_top1_agreement, max_rel_l2)
     path = _check_path(path, overwrite)
     _check_exportable(model)

@@ -394,9 +394,10 @@ def test_gpt2_backbone_exports(precision, tmp_path):
     keras_mp.calibrate(qmodel, x, verbose=0)
     # NVFP4 activations: E2M1 rounding flips turn float16's 2**-11 into
     # several % at the outputs (as much as Keras itself moves under that
-    # noise), past the default 16-bit tolerances on this untrained model
+    # noise; `export_onnx`'s NVFP4 defaults: rel. L2 0.25, top-1 0.8); this
+    # untrained model's logits are nearly flat, so top-1 flips more
     tolerances = (
-        {"max_rel_l2": 0.25, "min_top1_agreement": 0.5}
+        {"min_top1_agreement": 0.5}
         if precision == "nvfp4"
         else {}
     )
