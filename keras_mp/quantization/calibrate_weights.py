@@ -48,11 +48,20 @@ def block_quantizers(model):
         and q.quantizer.enabled
     ]
     if not rows:
+        quantized = any(True for _ in twins.quantizers(model, "calibrate"))
+        how = (
+            "its quantized layers all took INT8 or FP8: TensorRT has 4-bit "
+            "kernels for Dense/EinsumDense weights only, and a convolution "
+            "or a weight in a layer's own code takes INT8 "
+            "(`keras_mp.quantization_report` says so per layer). Calibrate "
+            "it with method='max' (or 'entropy', 'percentile', 'mse')"
+            if quantized
+            else "quantize it with precision='int4' "
+            "(QuantizeConfig(precision='int4')) first"
+        )
         raise ValueError(
             f"Model {model.name!r} has no block-scaled weight for GPTQ or "
-            "AWQ: "
-            "quantize it with precision='int4' (QuantizeConfig(precision="
-            "'int4')) first. Nothing was calibrated."
+            f"AWQ: {how}. Nothing was calibrated."
         )
     return rows
 

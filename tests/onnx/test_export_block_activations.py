@@ -396,11 +396,7 @@ def test_gpt2_backbone_exports(precision, tmp_path):
     # several % at the outputs (as much as Keras itself moves under that
     # noise; `export_onnx`'s NVFP4 defaults: rel. L2 0.25, top-1 0.8); this
     # untrained model's logits are nearly flat, so top-1 flips more
-    tolerances = (
-        {"min_top1_agreement": 0.5}
-        if precision == "nvfp4"
-        else {}
-    )
+    tolerances = {"min_top1_agreement": 0.5} if precision == "nvfp4" else {}
     report = keras_mp.export_onnx(
         qmodel,
         tmp_path / "q.onnx",

@@ -217,3 +217,14 @@ def test_a_layer_inside_time_distributed_is_observed(method):
     report = keras_mp.calibrate(qmodel, x, method=method, verbose=0)
     before, after = report.weight_errors["td/inner/kernel"]
     assert after <= before
+
+
+def test_gptq_on_a_model_whose_int4_layers_all_took_int8_says_why():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8, 8, 3))
+    h = keras.layers.Conv2D(32, 3, name="conv")(inputs)
+    model = keras.Model(inputs, h)
+    qmodel = keras_mp.quantize_model(model, precision="int4")
+    x = np.random.default_rng(0).normal(size=(4, 8, 8, 3)).astype("f4")
+    with pytest.raises(ValueError, match="all took INT8 or FP8.*method='max'"):
+        keras_mp.calibrate(qmodel, x, method="gptq", verbose=0)
