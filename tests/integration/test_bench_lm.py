@@ -28,12 +28,16 @@ def test_lm_benchmark_quick():
     for mode, row in rows.items():
         assert row["perplexity"] < 1.5 * float_row["perplexity"], mode
         if mode in exported:
-            assert row["onnx_parity_rel_l2"] < 1e-4, mode
+            # INT4 weight-only: float arithmetic on both sides; INT8/FP8
+            # round activations, NVFP4/MXFP8 inputs in a float16 graph
+            parity = 1e-4 if mode.startswith("int4") else 0.05
+            assert row["onnx_parity_rel_l2"] < parity, mode
+            four_bit = mode.startswith(("int4", "nvfp4"))
             assert (
                 row["onnx_file_bytes"]
-                < (0.5 if mode.startswith("mxfp8") else 0.35)  # 8-bit codes
+                < (0.35 if four_bit else 0.5)  # 4-bit or 8-bit codes
                 * row["float32_onnx_file_bytes"]
-            )
+            ), mode
             assert "--stronglyTyped" in row["trtexec"]
             continue
         size = "initializer_bytes" if mode in blocks else "keras_file_bytes"

@@ -13,7 +13,7 @@ from benchmarks.bench_sensitivity import MIN_QUANTIZED_FLOPS, measure
 def test_sensitivity_benchmark_quick():
     run = measure("reference_cnn", True, 0.005, ("latency", "bits"))
     assert run["float_top1"] > 0.3  # past chance (10%)
-    assert "int8_top1" in run and "fp8_top1" in run
+    assert "int8_top1" in run and "float8_top1" in run
     latency, bits = run["searches"]
     for row in (latency, bits):
         assert "error" not in row, row
@@ -22,10 +22,10 @@ def test_sensitivity_benchmark_quick():
         )
         assert row["val_drop"] <= 0.005  # the search's own budget
         p = row["predicted"]
-        assert p["float16"] / p["chosen"] == pytest.approx(
+        assert p["float"] / p["chosen"] == pytest.approx(
             row["speedup_over_fp16"]
         )
-    # bits: weightless layers are free either way and stay float16; every
+    # bits: weightless layers are free either way and stay float; every
     # weighted layer is 8-bit when the budget allows it
     assert bits["effective_bits"] == pytest.approx(8.0, abs=0.5)
     assert len(run["ranking"]) == 5
