@@ -24,6 +24,7 @@ from keras_mp.quantization.calibrators import (
     PercentileCalibrator,
 )
 from keras_mp.quantization.packed import check_unpacked
+from keras_mp.quantization.twins import block_weight_quantizers
 from keras_mp.quantization.twins import quantizers as all_quantizers
 
 # A range that clips more than this fraction of a tensor's calibration
@@ -129,15 +130,6 @@ class CalibrationReport:
 
     def __str__(self):
         return self.to_table()
-
-
-def _has_block_weights(model):
-    """Whether `model` has an enabled block-scaled weight quantizer."""
-    return any(
-        q.quantizer.block_size and q.quantizer.enabled
-        for q in all_quantizers(model, "calibrate")
-        if q.weight is not None
-    )
 
 
 def _plain(value):
@@ -272,7 +264,7 @@ def calibrate(
             return CalibrationReport(
                 "mse", 0, 0, {}, {}, [], weight_errors=errors
             )
-    if not quantizers and _has_block_weights(model):
+    if not quantizers and block_weight_quantizers(model, "calibrate"):
         # weight-only (INT4, NVFP4, MXFP8): the pipeline quantize ->
         # calibrate -> export runs as for INT8, with nothing to observe
         warnings.warn(

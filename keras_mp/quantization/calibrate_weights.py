@@ -39,14 +39,7 @@ def block_quantizers(model):
     Raises:
         ValueError: there are none.
     """
-    rows = [
-        q
-        for q in twins.quantizers(model, "calibrate")
-        if q.quantizer.block_size
-        and q.weight is not None
-        and not q.site
-        and q.quantizer.enabled
-    ]
+    rows = twins.block_weight_quantizers(model, "calibrate")
     if not rows:
         quantized = any(True for _ in twins.quantizers(model, "calibrate"))
         how = (

@@ -63,12 +63,8 @@ def pack_weights(model):
     _models.check_model(model, "pack_weights")
     rows = [
         q
-        for q in twins.quantizers(model, "pack_weights")
-        if q.quantizer.block_size
-        and q.weight is not None
-        and not q.site
-        and q.quantizer.enabled
-        and q.layer.enabled
+        for q in twins.block_weight_quantizers(model, "pack_weights")
+        if q.layer.enabled
     ]
     int4 = [q for q in rows if q.quantizer.format.name == "int4"]
     others = [q.name for q in rows if q.quantizer.format.name != "int4"]

@@ -419,6 +419,20 @@ def quantizers(model, caller="keras_mp"):
     return found
 
 
+def block_weight_quantizers(model, caller):
+    """The `Quantizer` rows of `model`'s enabled block-scaled weights of a
+    layer's own attribute (Dense/EinsumDense kernels; not op sites): what
+    GPTQ/AWQ/MSE calibrate and `pack_weights` packs."""
+    return [
+        q
+        for q in quantizers(model, caller)
+        if q.quantizer.block_size
+        and q.weight is not None
+        and not q.site
+        and q.quantizer.enabled
+    ]
+
+
 def set_quantization_enabled(model, enabled):
     """Turns every fake-quant in `model` on or off (off: float outputs).
 
